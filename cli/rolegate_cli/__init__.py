@@ -1,0 +1,1 @@
+"""The `rolegate` command line: one entry point, one subcommand per component."""
