@@ -1,15 +1,128 @@
-"""Dispatch `rolegate <subcommand>`; each subcommand imports its component lazily."""
+"""`rolegate <subcommand>`: one command for every component; each imports its code lazily."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rolegate")
-    parser.parse_args(argv)
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rolegate",
+        description="A Kubernetes-native routing proxy for LLM traffic.",
+    )
+    parser.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    proxy = commands.add_parser("proxy", help="serve the OpenAI-compatible routing proxy")
+    proxy.add_argument(
+        "--manifests",
+        type=Path,
+        required=True,
+        help="directory of RoleTable and ProviderPolicy YAML, compiled at start (standalone mode)",
+    )
+    proxy.add_argument("--host", default="127.0.0.1")
+    proxy.add_argument("--port", type=int, default=8080)
+    proxy.add_argument(
+        "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body"
+    )
+    proxy.add_argument(
+        "--secrets-dir",
+        type=Path,
+        default=Path("/var/run/secrets/rolegate"),
+        help="where Secret keys are mounted as <dir>/<secret name>/<key>",
+    )
+    proxy.set_defaults(handler=_run_proxy)
+
+    operator = commands.add_parser("operator", help="run the Kubernetes operator")
+    operator.set_defaults(handler=_run_operator)
+
+    sim = commands.add_parser("sim", help="serve the simulated OpenRouter-style provider")
+    sim.add_argument("--scenario", type=Path, required=True, help="scenario YAML file")
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=int, default=8089)
+    sim.set_defaults(handler=_run_sim)
+
+    compile_ = commands.add_parser(
+        "compile", help="compile a directory of manifests and print the configuration"
+    )
+    compile_.add_argument("directory", type=Path)
+    compile_.set_defaults(handler=_run_compile)
+
+    demo = commands.add_parser("demo", help="run the simulated provider and the proxy, with traffic")
+    demo.add_argument("--requests", type=int, default=60, help="how many requests to send")
+    demo.set_defaults(handler=_run_demo)
+    return parser
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from rolegate_proxy.server import serve
+    from rolegate_proxy.settings import ProxySettings
+    from rolegate_proxy.standalone import StandaloneConfigError, load_standalone_config
+
+    try:
+        config = load_standalone_config(args.manifests, sys.stderr)
+    except StandaloneConfigError as error:
+        print(f"rolegate proxy: {error}", file=sys.stderr)
+        return 2
+    settings = ProxySettings(
+        host=args.host,
+        port=args.port,
+        max_body_bytes=args.max_body_bytes,
+        secrets_dir=args.secrets_dir,
+    )
+    serve(settings, config)
     return 0
+
+
+def _run_operator(args: argparse.Namespace) -> int:
+    print(
+        "rolegate operator: not available yet. The Kubernetes operator lands with the "
+        "CRDs; until then run the proxy standalone with `rolegate proxy --manifests DIR`.",
+        file=sys.stderr,
+    )
+    return 2
+
+
+def _run_sim(args: argparse.Namespace) -> int:
+    from rolegate_sim.scenario import ScenarioError
+    from rolegate_sim.server import serve
+
+    try:
+        serve(args.scenario, args.host, args.port)
+    except ScenarioError as error:
+        print(f"rolegate sim: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_compile(args: argparse.Namespace) -> int:
+    from rolegate_policy.compile import run_compile
+
+    return run_compile(args.directory, sys.stdout, sys.stderr)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from rolegate_cli.demo import run_demo
+
+    return run_demo(requests=args.requests)
 
 
 if __name__ == "__main__":

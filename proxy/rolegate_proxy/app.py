@@ -1,0 +1,193 @@
+"""The proxy's app factory: routes, shared state on the app, background work in cleanup contexts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from rolegate_policy.config import ProxyConfig
+
+from .chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
+from .credentials import KeyStore
+from .errors import ProxyError
+from .metrics import ProxyMetrics
+from .relay import RelayContext, relay
+from .routing import plan_attempts
+from .settings import ProxySettings
+
+log = logging.getLogger("rolegate.proxy")
+
+
+@dataclass
+class ProxyState:
+    settings: ProxySettings
+    # Replaced as a whole on reload; a request reads it once and keeps its own reference,
+    # so an in-flight request finishes on the configuration it started with (SPEC D3).
+    config: ProxyConfig
+    keys: KeyStore
+    metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
+    session: aiohttp.ClientSession | None = None
+
+    def swap_config(self, config: ProxyConfig) -> None:
+        self.keys.refresh(config)
+        self.config = config
+
+
+STATE = web.AppKey("rolegate_state", ProxyState)
+
+
+def create_app(settings: ProxySettings, config: ProxyConfig) -> web.Application:
+    keys = KeyStore(secrets_dir=settings.secrets_dir)
+    keys.refresh(config)
+    state = ProxyState(settings=settings, config=config, keys=keys)
+    # aiohttp enforces the limit on bodies without Content-Length; we answer in OpenAI shape.
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    app[STATE] = state
+    app.cleanup_ctx.append(_upstream_session)
+    app.cleanup_ctx.append(_key_refresher)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
+    # One shared client session: connection pooling across every upstream.
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
+    app[STATE].session = session
+    yield
+    await session.close()
+
+
+async def _key_refresher(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+
+    async def refresh_forever() -> None:
+        while True:
+            await asyncio.sleep(state.settings.key_refresh_seconds)
+            config = state.config
+            # File reads happen in a worker thread, never on the request path.
+            await asyncio.to_thread(state.keys.refresh, config)
+
+    task = asyncio.create_task(refresh_forever(), name="rolegate-key-refresh")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    config = state.config
+    started = time.perf_counter()
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    base_headers = {"X-Request-Id": request_id}
+    role_name = "-"
+    status = 500
+    try:
+        raw = await _read_body(request, state.settings.max_body_bytes)
+        body = parse_body(raw)
+        role = choose_role(body, request.headers.get(ROLE_HEADER), config)
+        role_name = role.name
+        base_headers["X-Rolegate-Role"] = role.name
+        chat = validate_chat_request(body, role)
+        assert state.session is not None, "the upstream session starts with the app"
+        ctx = RelayContext(
+            session=state.session,
+            keys=state.keys,
+            metrics=state.metrics,
+            request_id=request_id,
+            base_headers=base_headers,
+        )
+        response = await relay(request, chat, plan_attempts(role, config), ctx)
+        status = response.status
+        return response
+    except ProxyError as error:
+        status = error.status
+        return error.response(base_headers)
+    except asyncio.CancelledError:
+        status = 499  # the client went away; nginx's convention, for metrics only
+        raise
+    finally:
+        state.metrics.requests.labels(role_name, str(status)).inc()
+        state.metrics.latency.labels(role_name).observe(time.perf_counter() - started)
+        log.info(
+            "request id=%s role=%s status=%d ms=%.1f",
+            request_id,
+            role_name,
+            status,
+            (time.perf_counter() - started) * 1000,
+        )
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    too_large = ProxyError(
+        413,
+        f"Request body is over the {limit}-byte limit; send a smaller request "
+        "or raise the proxy's --max-body-bytes.",
+        code="body_too_large",
+    )
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+
+
+async def list_models(request: web.Request) -> web.Response:
+    config = request.app[STATE].config
+    return web.json_response(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": role.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "rolegate",
+                    "rolegate": {
+                        "models": list(role.models),
+                        "patience_seconds": role.patience_seconds,
+                        "visibility": role.visibility.value,
+                        "ruling": role.effective_ruling.value,
+                    },
+                }
+                for role in config.roles
+            ],
+        }
+    )
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    config = request.app[STATE].config
+    ready = bool(config.roles)
+    return web.json_response(
+        {
+            "status": "ready" if ready else "no roles configured",
+            "config_hash": config.hash,
+            "roles": len(config.roles),
+            "providers": len(config.providers),
+        },
+        status=200 if ready else 503,
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[STATE].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

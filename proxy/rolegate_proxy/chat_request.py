@@ -1,0 +1,142 @@
+"""Validating the client's chat-completions request and choosing its role (SPEC E1, E2)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from rolegate_policy.config import CompiledRole, ProxyConfig
+
+from .errors import ProxyError, bad_request
+
+ROLE_HEADER = "X-Rolegate-Role"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    role: CompiledRole
+    body: dict[str, Any]
+    stream: bool
+    # True when the prompt is pure ASCII: computed once per request because degraded-output
+    # attribution (SPEC A3) needs it and the prompt is never kept.
+    prompt_is_ascii: bool
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad_request(
+            f"Request body is not UTF-8 (invalid byte at position {exc.start}); "
+            "encode the JSON body as UTF-8.",
+            code="invalid_encoding",
+        ) from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise bad_request(
+            f"Request body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+            "send a JSON object with `model` and `messages`.",
+            code="invalid_json",
+        ) from None
+    if not isinstance(body, dict):
+        raise bad_request(
+            f"Request body must be a JSON object, got a JSON {_json_type(body)}; "
+            "send an object with `model` and `messages`.",
+            code="invalid_body",
+        )
+    return body
+
+
+def choose_role(body: dict[str, Any], header_role: str | None, config: ProxyConfig) -> CompiledRole:
+    known = ", ".join(role.name for role in config.roles) or "(none: no RoleTable is accepted)"
+    if header_role is not None:
+        role = config.role(header_role)
+        if role is None:
+            raise ProxyError(
+                404,
+                f"Unknown role {header_role!r} in the {ROLE_HEADER} header. Known roles: {known}.",
+                code="unknown_role",
+                param=ROLE_HEADER,
+            )
+        return role
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request(
+            f"`model` is required and must be a string naming a role (known roles: {known}), "
+            f"or send the {ROLE_HEADER} header.",
+            param="model",
+            code="missing_model",
+        )
+    role = config.role(model)
+    if role is None:
+        shown = model if len(model) <= 80 else model[:77] + "..."
+        raise ProxyError(
+            404,
+            f"Unknown role {shown!r}: rolegate selects a role by the `model` field. "
+            f"Known roles: {known}.",
+            code="unknown_role",
+            param="model",
+        )
+    return role
+
+
+def validate_chat_request(body: dict[str, Any], role: CompiledRole) -> ChatRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(
+            "`messages` is required and must be a non-empty array of message objects.",
+            param="messages",
+            code="invalid_messages",
+        )
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad_request(
+                f"`messages[{index}]` must be an object with a string `role` "
+                "(system, user, assistant or tool).",
+                param=f"messages[{index}]",
+                code="invalid_messages",
+            )
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request(
+            f"`stream` must be true or false, got a JSON {_json_type(stream)}.",
+            param="stream",
+            code="invalid_stream",
+        )
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise bad_request(
+            '`stream_options` must be an object such as {"include_usage": true}.',
+            param="stream_options",
+        )
+    return ChatRequest(role=role, body=body, stream=stream, prompt_is_ascii=_is_ascii(messages))
+
+
+def _is_ascii(messages: list[Any]) -> bool:
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            if not content.isascii():
+                return False
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else None
+                if isinstance(text, str) and not text.isascii():
+                    return False
+    return True
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    return "object"

@@ -1,0 +1,72 @@
+"""API keys for providers, resolved off the request path.
+
+A ProviderPolicy names a Secret key (`apiKeySecretRef: {name, key}`), never the key
+itself. The proxy finds the value, in this order:
+
+1. the environment variable `ROLEGATE_SECRET_<NAME>_<KEY>` (upper-cased, every character
+   that is not a letter or digit replaced by `_`), convenient outside a cluster;
+2. the file `<secrets dir>/<name>/<key>`, which is how Kubernetes mounts a Secret volume
+   (the Helm chart mounts each referenced Secret at `/var/run/secrets/rolegate/<name>`).
+
+Values are read when a configuration is loaded and refreshed in the background, so the
+request path never touches the disk. Values are never logged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rolegate_policy.config import ProxyConfig, SecretRef
+
+DEFAULT_SECRETS_DIR = Path("/var/run/secrets/rolegate")
+
+
+def env_var_name(ref: SecretRef) -> str:
+    return "ROLEGATE_SECRET_" + re.sub(r"[^A-Za-z0-9]", "_", f"{ref.name}_{ref.key}").upper()
+
+
+@dataclass(frozen=True)
+class KeyLookup:
+    value: str | None
+    # Where we looked, for an error message that says what to set; never the value.
+    searched: str
+
+
+@dataclass
+class KeyStore:
+    secrets_dir: Path = DEFAULT_SECRETS_DIR
+    environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
+    _keys: dict[SecretRef, KeyLookup] = field(default_factory=dict)
+
+    def refresh(self, config: ProxyConfig) -> None:
+        """Re-read every key the configuration references (blocking; call off the hot path)."""
+        keys: dict[SecretRef, KeyLookup] = {}
+        for provider in config.providers:
+            ref = provider.api_key_secret_ref
+            if ref is not None and ref not in keys:
+                keys[ref] = self._lookup(ref)
+        self._keys = keys
+
+    def lookup(self, ref: SecretRef) -> KeyLookup:
+        found = self._keys.get(ref)
+        if found is None:
+            found = self._lookup(ref)
+            self._keys[ref] = found
+        return found
+
+    def _lookup(self, ref: SecretRef) -> KeyLookup:
+        var = env_var_name(ref)
+        path = self.secrets_dir / ref.name / ref.key
+        searched = f"environment variable {var} or file {path}"
+        value = self.environ.get(var)
+        if value:
+            return KeyLookup(value.strip(), searched)
+        try:
+            text = path.read_text(encoding="utf-8").strip()
+        except OSError:
+            return KeyLookup(None, searched)
+        return KeyLookup(text or None, searched)

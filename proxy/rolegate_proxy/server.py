@@ -1,0 +1,74 @@
+"""Running the proxy: in-process (tests, demo, bench) or as the `rolegate proxy` command."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from rolegate_policy.config import ProxyConfig
+
+from .app import STATE, ProxyState, create_app
+from .settings import ProxySettings
+
+
+@dataclass
+class RunningProxy:
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def state(self) -> ProxyState:
+        return self.runner.app[STATE]
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start(settings: ProxySettings, config: ProxyConfig) -> RunningProxy:
+    app = create_app(settings, config)
+    # handler_cancellation: a client that disconnects cancels its handler at once, which
+    # closes the upstream connection, so the provider stops generating for nobody.
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=settings.shutdown_grace_seconds,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+    await site.start()
+    # With port 0 the OS picks a free one; the runner knows which.
+    port = int(runner.addresses[0][1])
+    return RunningProxy(runner=runner, host=settings.host, port=port)
+
+
+def serve(settings: ProxySettings, config: ProxyConfig) -> None:
+    """Run until SIGINT or SIGTERM; open streams get the grace period to finish."""
+
+    async def main() -> None:
+        running = await start(settings, config)
+        print(
+            f"rolegate proxy listening on {running.url} "
+            f"({len(config.roles)} roles, config {config.hash})",
+            file=sys.stderr,
+            flush=True,
+        )
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await running.stop()
+
+    asyncio.run(main())

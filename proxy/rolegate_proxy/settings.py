@@ -1,0 +1,20 @@
+"""Runtime settings of one proxy process (flags, not policy: policy comes from the CRs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .credentials import DEFAULT_SECRETS_DIR
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 4 * 1024 * 1024
+    secrets_dir: Path = DEFAULT_SECRETS_DIR
+    # How often API keys are re-read from the environment and mounted Secret files.
+    key_refresh_seconds: float = 30.0
+    # Streams still open at shutdown get this long to finish (SIGTERM drains).
+    shutdown_grace_seconds: float = 30.0
