@@ -1,0 +1,97 @@
+"""Builders for test manifests and helpers that talk to the real servers under test."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+from rolegate_policy.compile import compile_manifests
+from rolegate_policy.config import ProxyConfig
+from rolegate_policy.manifests import manifest_from_object
+from rolegate_proxy.server import RunningProxy
+from rolegate_sim.server import RunningSim
+
+SimFactory = Callable[[dict[str, Any]], Awaitable[RunningSim]]
+ProxyFactory = Callable[..., Awaitable[RunningProxy]]
+
+
+def provider_policy(
+    name: str,
+    endpoint: str,
+    models: dict[str, list[str]],
+    *,
+    dialect: str = "Aggregator",
+    **spec: Any,
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "rolegate.dev/v1alpha1",
+        "kind": "ProviderPolicy",
+        "metadata": {"name": name, "namespace": "test"},
+        "spec": {
+            "endpoint": endpoint,
+            "dialect": dialect,
+            "models": [
+                {"name": model, "machines": [{"name": m} for m in machines]}
+                for model, machines in models.items()
+            ],
+            **spec,
+        },
+    }
+
+
+def role_table(*roles: dict[str, Any], name: str = "roles") -> dict[str, Any]:
+    return {
+        "apiVersion": "rolegate.dev/v1alpha1",
+        "kind": "RoleTable",
+        "metadata": {"name": name, "namespace": "test"},
+        "spec": {"roles": list(roles)},
+    }
+
+
+def role(
+    name: str,
+    models: list[str],
+    *,
+    patience: float = 30,
+    visibility: str = "Watched",
+    ruling: str = "Auto",
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "models": models,
+        "patienceSeconds": patience,
+        "visibility": visibility,
+        "ruling": ruling,
+    }
+
+
+async def sim_records(sim_url: str) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient() as client:
+        response = await client.get(f"{sim_url}/_sim/requests")
+        response.raise_for_status()
+        records: list[dict[str, Any]] = response.json()
+        return records
+
+
+async def wait_for_sim_record(
+    sim_url: str, done: Callable[[dict[str, Any]], bool], within: float = 5.0
+) -> dict[str, Any]:
+    """Poll the simulator until its latest request record satisfies `done` (bounded)."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        records = await sim_records(sim_url)
+        if records and done(records[-1]):
+            return records[-1]
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"no finished simulator record within {within}s: {records}")
+        await asyncio.sleep(0.02)
+
+
+def compile_objects(objects: list[dict[str, Any]]) -> ProxyConfig:
+    manifests = [manifest_from_object(obj, f"test#{i}") for i, obj in enumerate(objects)]
+    result = compile_manifests(manifests)
+    rejected = [v for v in result.verdicts if not v.accepted]
+    assert not rejected, f"test manifests rejected: {rejected}"
+    return result.config
