@@ -134,7 +134,11 @@ def _message(kind: str, default: str, ctx: dict[str, Any], loc: Loc, model: type
             f"(has {ctx.get('actual_length', 'more')})"
         )
     if kind == "string_too_short":
-        return "must not be empty" if ctx["min_length"] == 1 else f"must be at least {ctx['min_length']} characters"
+        return (
+            "must not be empty"
+            if ctx["min_length"] == 1
+            else f"must be at least {ctx['min_length']} characters"
+        )
     if kind == "string_too_long":
         return f"must be at most {_plural(ctx['max_length'], 'character')}"
     if kind == "string_pattern_mismatch":

@@ -1,0 +1,646 @@
+"""Typed models of the two custom resource specs: `RoleTable` and `ProviderPolicy`.
+
+These models are the single source of truth for what a valid spec is. Field
+descriptions and constraints are written for `kubectl explain`: the CRD's OpenAPI schema
+is generated from `model_json_schema(by_alias=True)`, so every field carries a
+`description`, every limit is a pydantic constraint (which becomes a schema keyword),
+list semantics are declared with `x-kubernetes-list-type`, and each cross-field rule
+has both a Python validator (for the standalone proxy and the operator's compile) and
+an `x-kubernetes-validations` CEL twin (so `kubectl apply` rejects it up front).
+
+Field names are snake_case in Python and camelCase on the wire (the Kubernetes
+convention); a misspelled or unknown field is an error that names it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Final
+from urllib.parse import urlsplit
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from rolegate_policy.config import Dialect, Ruling, TransportScope, Visibility
+from rolegate_policy.field_errors import Loc, SpecRuleError, register_pattern_hint, shorten
+
+ROLE_TABLE_KIND: Final = "RoleTable"
+PROVIDER_POLICY_KIND: Final = "ProviderPolicy"
+
+ROLE_NAME_PATTERN: Final = register_pattern_hint(
+    r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$",
+    "lower-case letters, digits, '-', '.' or '_', starting and ending with a letter or digit",
+)
+# Upstream model and machine names are the provider's own (`qwen/qwen3-coder`,
+# `Google AI Studio`), so they are free-form; only surrounding whitespace is refused,
+# because `"qwen/qwen3-coder "` would silently never match anything.
+UPSTREAM_NAME_PATTERN: Final = register_pattern_hint(
+    r"^\S(.*\S)?$", "non-empty, without leading or trailing whitespace"
+)
+DNS_SUBDOMAIN_PATTERN: Final = register_pattern_hint(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
+    "a DNS subdomain: lower-case letters, digits, '-' and '.', starting and ending "
+    "with a letter or digit",
+)
+SECRET_KEY_PATTERN: Final = register_pattern_hint(
+    r"^[-._a-zA-Z0-9]+$", "letters, digits, '-', '.' or '_'"
+)
+# Mirrors `_check_endpoint` for the generated schema; the validator gives the precise message.
+ENDPOINT_PATTERN: Final = r"^https?://[^\s/?#@]+(/[^\s?#@]*)?$"
+
+MAX_SECONDS: Final = 3600.0
+
+ModelName = Annotated[
+    str, StringConstraints(min_length=1, max_length=256, pattern=UPSTREAM_NAME_PATTERN)
+]
+
+
+class SpecModel(BaseModel):
+    """Base of every spec model: camelCase on the wire, frozen, unknown fields refused."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
+        # YAML spells infinity `.inf`; no deadline or price is infinite.
+        allow_inf_nan=False,
+    )
+
+
+def _duplicates(
+    names: list[str], list_field: str, name_field: str | None, what: str, why: str
+) -> list[tuple[Loc, str]]:
+    """One problem per repeated name, pointing at the repeat and naming the first use."""
+    first_index: dict[str, int] = {}
+    problems: list[tuple[Loc, str]] = []
+    for index, name in enumerate(names):
+        if name not in first_index:
+            first_index[name] = index
+            continue
+        loc: Loc = (list_field, index, name_field) if name_field else (list_field, index)
+        problems.append(
+            (
+                loc,
+                f"{what} {shorten(name)!r} is listed twice (first at {list_field}"
+                f"[{first_index[name]}]); {why}",
+            )
+        )
+    return problems
+
+
+def _cel(rule: str, message: str, field_path: str) -> dict[str, Any]:
+    return {"rule": rule, "message": message, "fieldPath": field_path}
+
+
+# RoleTable --------------------------------------------------------------------------
+
+
+class RoleSpec(SpecModel):
+    """One class of caller traffic: the models that may serve it and how long it waits."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=63,
+        pattern=ROLE_NAME_PATTERN,
+        description=(
+            "Name of the role. Callers select the role by sending this as the OpenAI "
+            "`model` value (or in a header), so it must be unique across all RoleTables "
+            "the proxy serves."
+        ),
+    )
+    models: list[ModelName] = Field(
+        min_length=1,
+        max_length=16,
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description=(
+            "Upstream model names, in order of preference, exactly as a ProviderPolicy "
+            "lists them (e.g. `qwen/qwen3-coder`). The next model serves only when no "
+            "machine of the one before it can. Each model may appear once."
+        ),
+    )
+    patience_seconds: float = Field(
+        gt=0,
+        le=MAX_SECONDS,
+        description=(
+            "Deadline, in seconds, for a usable answer. A machine whose expected time to "
+            "a usable answer (time to first token plus expectedOutputTokens at its "
+            "token rate) exceeds it is refused for this role."
+        ),
+    )
+    visibility: Visibility = Field(
+        description=(
+            "Whether a person reads the stream as it arrives (`Watched`) or nobody does "
+            "and the whole call is dead time (`Unwatched`). Decides what `Auto` "
+            "resolves to."
+        ),
+    )
+    ruling: Ruling = Field(
+        default=Ruling.AUTO,
+        description=(
+            "What to ask an aggregator for once slow machines are refused. `Order`: a "
+            "ranking with fallbacks allowed (a slow answer beats no answer). `Only`: "
+            "exactly the admitted machines (a busy pool becomes a refusal). `Auto`: "
+            "`Only` when the role is Unwatched and patienceSeconds is under the table's "
+            "autoOnlyBelowSeconds, `Order` otherwise."
+        ),
+    )
+    expected_output_tokens: int = Field(
+        default=512,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "Typical answer length in tokens for this role, used to turn a machine's "
+            "tokens per second into an expected time to a usable answer."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _models_unique(self) -> RoleSpec:
+        problems = _duplicates(
+            self.models, "models", None, "model", "list each model once, in order of preference"
+        )
+        if problems:
+            raise SpecRuleError(problems)
+        return self
+
+
+class RoleTableSpec(SpecModel):
+    """The roles callers can select, each with its models, patience, visibility and ruling."""
+
+    auto_only_below_seconds: float = Field(
+        default=10.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description=(
+            "Patience threshold for the `Auto` ruling: an Unwatched role whose "
+            "patienceSeconds is below this resolves to `Only`; every other `Auto` role "
+            "resolves to `Order`."
+        ),
+    )
+    roles: list[RoleSpec] = Field(
+        min_length=1,
+        max_length=64,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+        },
+        description="The roles of this table. Role names are unique across all RoleTables.",
+    )
+
+    @model_validator(mode="after")
+    def _role_names_unique(self) -> RoleTableSpec:
+        problems = _duplicates(
+            [role.name for role in self.roles],
+            "roles",
+            "name",
+            "role",
+            "callers select a role by name, so each name may be defined once",
+        )
+        if problems:
+            raise SpecRuleError(problems)
+        return self
+
+
+# ProviderPolicy ---------------------------------------------------------------------
+
+
+class SecretKeyRef(SpecModel):
+    """A key of a Kubernetes Secret in the ProviderPolicy's namespace."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description="Name of the Secret, in the same namespace as the ProviderPolicy.",
+    )
+    key: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=SECRET_KEY_PATTERN,
+        description="Key within the Secret whose value is the API key, sent as a Bearer token.",
+    )
+
+
+class MachineSpec(SpecModel):
+    """One concrete backend serving a model, with the figures its operator publishes.
+
+    The figures seed the proxy's belief about the machine (the sheet prior); measured
+    answers then move the belief. A machine without figures starts with no prior.
+    """
+
+    name: str = Field(
+        min_length=1,
+        max_length=256,
+        pattern=UPSTREAM_NAME_PATTERN,
+        description=(
+            "Machine name. For an Aggregator, the sub-provider name it routes by and "
+            "reports (e.g. `DeepInfra`); for the OpenAI dialect, any label."
+        ),
+    )
+    ttft_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_SECONDS,
+        description="Published time to first token, in seconds.",
+    )
+    tokens_per_second: float | None = Field(
+        default=None,
+        gt=0,
+        le=1_000_000,
+        description="Published output rate, in tokens per second.",
+    )
+    price_input_per_mtok: float | None = Field(
+        default=None,
+        alias="priceInputPerMTok",
+        ge=0,
+        le=1_000_000,
+        description="Price of input (prompt) tokens, in USD per million tokens.",
+    )
+    price_output_per_mtok: float | None = Field(
+        default=None,
+        alias="priceOutputPerMTok",
+        ge=0,
+        le=1_000_000,
+        description="Price of output (completion) tokens, in USD per million tokens.",
+    )
+    continues_partial_message: bool = Field(
+        default=False,
+        description=(
+            "Whether this machine continues a partial assistant message sent as the last "
+            "message. Only then can a slow stream that has already reached the client be "
+            "moved here mid-answer."
+        ),
+    )
+
+
+class ProviderModelSpec(SpecModel):
+    """A model the provider serves, and the machines it serves it on."""
+
+    name: ModelName = Field(
+        description=(
+            "Upstream model name as the provider spells it (e.g. `qwen/qwen3-coder`); "
+            "RoleTables refer to models by this name."
+        ),
+    )
+    machines: list[MachineSpec] = Field(
+        default_factory=list,
+        max_length=64,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+        },
+        description=(
+            "Machines serving this model. For the OpenAI dialect at most one (when "
+            "omitted, one named after the ProviderPolicy); for an Aggregator at least "
+            "one, each a sub-provider."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _machine_names_unique(self) -> ProviderModelSpec:
+        problems = _duplicates(
+            [machine.name for machine in self.machines],
+            "machines",
+            "name",
+            "machine",
+            "each machine of a model may be listed once",
+        )
+        if problems:
+            raise SpecRuleError(problems)
+        return self
+
+
+class BreakerSpec(SpecModel):
+    """When a provider (or one of its models) is taken out of rotation, and for how long.
+
+    Trips come from transport faults (HTTP status >= 400, refused connections, timeouts)
+    and from degraded output (empty or mangled answers). A trip is an availability
+    skip: cooldown, exponential backoff, a half-open re-probe, recovery on the next
+    clean answer.
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.maxCooldownSeconds >= self.cooldownSeconds",
+                    "maxCooldownSeconds must be at least cooldownSeconds",
+                    ".maxCooldownSeconds",
+                ),
+                _cel(
+                    "self.rateMinSamples <= self.rateWindow",
+                    "rateMinSamples must not exceed rateWindow",
+                    ".rateMinSamples",
+                ),
+            ]
+        }
+    )
+
+    cooldown_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=86400,
+        description="Seconds a first trip keeps the provider or model out before a re-probe.",
+    )
+    max_cooldown_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        le=86400,
+        description="Upper bound on the cooldown after repeated trips; at least cooldownSeconds.",
+    )
+    backoff_multiplier: float = Field(
+        default=2.0,
+        ge=1,
+        le=100,
+        description="Factor the cooldown grows by on each trip that follows a failed re-probe.",
+    )
+    jitter_fraction: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description=(
+            "Random spread applied to each cooldown, as a fraction of it, so replicas do "
+            "not re-probe in lockstep."
+        ),
+    )
+    novel_signature_count: int = Field(
+        default=2,
+        ge=1,
+        le=10_000,
+        description=(
+            "Degraded answers with a signature unseen in the novelty window that trip "
+            "the breaker. One bad answer is noise; two of a new kind is an incident."
+        ),
+    )
+    familiar_signature_count: int = Field(
+        default=5,
+        ge=1,
+        le=10_000,
+        description=(
+            "Degraded answers with a signature already seen in the novelty window that "
+            "trip the breaker."
+        ),
+    )
+    novelty_window_seconds: float = Field(
+        default=86400.0,
+        gt=0,
+        le=2_592_000,
+        description="Trailing window, in seconds, in which a signature counts as familiar.",
+    )
+    rate_threshold: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description=(
+            "Fraction of attributable degraded answers over the last rateWindow calls "
+            "above which the breaker trips."
+        ),
+    )
+    rate_window: int = Field(
+        default=100,
+        ge=1,
+        le=100_000,
+        description="Number of most recent calls the degraded-answer rate is computed over.",
+    )
+    rate_min_samples: int = Field(
+        default=20,
+        ge=1,
+        le=100_000,
+        description=(
+            "Calls needed in the window before the rate can trip the breaker; at most rateWindow."
+        ),
+    )
+    transport_scope: TransportScope = Field(
+        default=TransportScope.PROVIDER,
+        description=(
+            "What a transport fault (HTTP status >= 400, refused connection, timeout) "
+            "trips: the whole `Provider`, or only the `Model` it happened on. Degraded "
+            "output is scoped by its signature regardless: encoding faults trip the "
+            "provider, empty answers the model."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BreakerSpec:
+        problems: list[tuple[Loc, str]] = []
+        if self.max_cooldown_seconds < self.cooldown_seconds:
+            problems.append(
+                (
+                    ("maxCooldownSeconds",),
+                    f"must be at least cooldownSeconds ({self.cooldown_seconds:g}); raise it "
+                    "or lower cooldownSeconds",
+                )
+            )
+        if self.rate_min_samples > self.rate_window:
+            problems.append(
+                (
+                    ("rateMinSamples",),
+                    f"must not exceed rateWindow ({self.rate_window}), or the rate could "
+                    "never trip; lower it or widen rateWindow",
+                )
+            )
+        if problems:
+            raise SpecRuleError(problems)
+        return self
+
+
+class DegradedOutputSpec(SpecModel):
+    """Which kinds of degraded output count against the provider."""
+
+    detect_empty: bool = Field(
+        default=True,
+        description="Treat a successful answer with no content and no tool calls as a fault.",
+    )
+    detect_mangled: bool = Field(
+        default=True,
+        description=(
+            "Treat mangled text (double-encoded UTF-8, U+FFFD) in an answer to a pure "
+            "ASCII prompt as a fault."
+        ),
+    )
+
+
+class TimeoutsSpec(SpecModel):
+    """Transport time limits for calls to this provider."""
+
+    connect_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        le=300,
+        description="Seconds allowed to open a connection to the endpoint.",
+    )
+    idle_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        le=MAX_SECONDS,
+        description=(
+            "Longest silence, in seconds, tolerated between two chunks of an answer; a "
+            "role's patience lowers it further per request."
+        ),
+    )
+
+
+class ProviderPolicySpec(SpecModel):
+    """An upstream chat-completions endpoint: what it serves, on which machines, and how
+    the proxy protects itself from it."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.dialect != 'OpenAI' || self.models.all(m, !has(m.machines) "
+                    "|| size(m.machines) <= 1)",
+                    "with dialect OpenAI each model lists at most one machine",
+                    ".models",
+                ),
+                _cel(
+                    "self.dialect != 'Aggregator' || self.models.all(m, has(m.machines) "
+                    "&& size(m.machines) >= 1)",
+                    "with dialect Aggregator each model lists at least one machine",
+                    ".models",
+                ),
+            ]
+        }
+    )
+
+    endpoint: str = Field(
+        min_length=1,
+        max_length=2048,
+        json_schema_extra={"pattern": ENDPOINT_PATTERN},
+        description=(
+            "Base URL of the OpenAI-compatible API, e.g. `https://openrouter.ai/api/v1`; "
+            "the proxy appends `/chat/completions`. http or https, with a host, without "
+            "credentials or a query string."
+        ),
+    )
+    dialect: Dialect = Field(
+        default=Dialect.OPENAI,
+        description=(
+            "`OpenAI`: a plain OpenAI-compatible server (vLLM, llama.cpp, a direct "
+            "host), one machine per model. `Aggregator`: an OpenRouter-style router "
+            "steered by the request body's `provider` field (order, only, ignore, "
+            "allow_fallbacks); its machines are its sub-providers."
+        ),
+    )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description=(
+            "The Secret key holding the API key. The key itself never appears in a "
+            "spec or in the compiled configuration. Omit for endpoints without auth."
+        ),
+    )
+    models: list[ProviderModelSpec] = Field(
+        min_length=1,
+        max_length=256,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+        },
+        description="The models this provider serves. Model names are unique within it.",
+    )
+    breaker: BreakerSpec = Field(
+        default_factory=BreakerSpec,
+        description="Circuit-breaker settings for this provider.",
+    )
+    degraded_output: DegradedOutputSpec = Field(
+        default_factory=DegradedOutputSpec,
+        description="Which degraded answers trip the breaker.",
+    )
+    timeouts: TimeoutsSpec = Field(
+        default_factory=TimeoutsSpec,
+        description="Connection and idle time limits.",
+    )
+
+    @field_validator("endpoint")
+    @classmethod
+    def _check_endpoint(cls, value: str) -> str:
+        # Messages never quote the URL: it is the one field where someone might paste a
+        # key (`https://user:sk-...@host`).
+        example = "e.g. https://openrouter.ai/api/v1"
+        if any(character.isspace() for character in value):
+            raise ValueError("must not contain whitespace")
+        try:
+            parts = urlsplit(value)
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"must be a valid http(s) URL, {example}") from None
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"must start with http:// or https://, {example}")
+        if "@" in parts.netloc:
+            raise ValueError(
+                "must not contain credentials (user:password@host); store the key in a "
+                "Secret and reference it with apiKeySecretRef"
+            )
+        if not parts.hostname:
+            raise ValueError(f"must name a host, {example}")
+        if port == 0:
+            raise ValueError("must not use port 0")
+        if parts.query or "?" in value:
+            raise ValueError(
+                "must not have a query string; it is a base URL the proxy appends "
+                "/chat/completions to (and a key belongs in apiKeySecretRef)"
+            )
+        if parts.fragment or "#" in value:
+            raise ValueError("must not have a fragment (#...)")
+        return value
+
+    @model_validator(mode="after")
+    def _models_and_machines(self) -> ProviderPolicySpec:
+        problems = _duplicates(
+            [model.name for model in self.models],
+            "models",
+            "name",
+            "model",
+            "list each model once, with all its machines",
+        )
+        for index, model in enumerate(self.models):
+            count = len(model.machines)
+            if self.dialect is Dialect.OPENAI and count > 1:
+                problems.append(
+                    (
+                        ("models", index, "machines"),
+                        f"the OpenAI dialect serves a model from one machine, the endpoint "
+                        f"itself, but {count} are listed; keep one, or set dialect: "
+                        "Aggregator if the endpoint routes to sub-providers",
+                    )
+                )
+            if self.dialect is Dialect.AGGREGATOR and count == 0:
+                problems.append(
+                    (
+                        ("models", index, "machines"),
+                        "an Aggregator routes by sub-provider, so each model needs at least "
+                        "one machine naming one (e.g. {name: DeepInfra}); add one, or use "
+                        "dialect: OpenAI for a direct endpoint",
+                    )
+                )
+        if problems:
+            raise SpecRuleError(problems)
+        return self
+
+
+SPEC_MODELS: Final[dict[str, type[SpecModel]]] = {
+    ROLE_TABLE_KIND: RoleTableSpec,
+    PROVIDER_POLICY_KIND: ProviderPolicySpec,
+}
+
+
+def parse_spec(kind: str, spec: Any) -> SpecModel:
+    """Validate a spec exactly as written in a manifest.
+
+    Validation goes through JSON in strict mode, with field names accepted only in
+    their camelCase spelling: that is what the API server's schema accepts, so a spec
+    that compiles standalone also applies to a cluster (a quoted `"4"` is not a number
+    there, and `patience_seconds` is not a field there).
+    Raises `pydantic.ValidationError`.
+    """
+    model = SPEC_MODELS[kind]
+    payload = json.dumps(spec, default=str)
+    return model.model_validate_json(payload, strict=True, by_alias=True, by_name=False)

@@ -1,0 +1,373 @@
+"""The scenario file: which models the simulated aggregator serves, on which machines, and
+how each machine misbehaves.
+
+Everything here is a frozen pydantic model with camelCase aliases, so the YAML reads like
+the rest of rolegate's manifests (`ttftSeconds`) while Python code uses snake_case. Bad
+input never surfaces as a raw pydantic traceback: `load_scenario` and `parse_scenario`
+raise `ScenarioError` with one line per problem naming the file, the field path and what
+to do about it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+# Contains an em dash, an accented letter, CJK and an emoji (a 4-byte UTF-8 sequence) so
+# that every default answer exercises multi-byte handling in the proxy.
+DEFAULT_REPLY = (
+    "Sure — here is the plan: meet at the café at noon, order the 日本語 menu, "
+    "and celebrate with cake 🎉 afterwards."
+)
+
+
+class ScenarioError(ValueError):
+    """A scenario (file or runtime fault list) is invalid; the message says where and why."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(
+        frozen=True,
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+    )
+
+
+# --- faults -----------------------------------------------------------------------------
+
+
+class _FaultBase(_Frozen):
+    """The trigger every fault carries: exactly one of probability, schedule, always."""
+
+    probability: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    schedule: tuple[Annotated[int, Field(ge=1)], ...] | None = None
+    always: bool = False
+
+    @model_validator(mode="after")
+    def _exactly_one_trigger(self) -> Self:
+        given = [
+            name
+            for name, present in (
+                ("probability", self.probability is not None),
+                ("schedule", self.schedule is not None),
+                ("always", self.always),
+            )
+            if present
+        ]
+        if len(given) != 1:
+            found = ", ".join(given) if given else "none"
+            raise ValueError(
+                "a fault needs exactly one trigger: `probability: 0..1`, `schedule: [n, ...]` "
+                f"or `always: true` (found {found})"
+            )
+        return self
+
+
+class RateLimitFault(_FaultBase):
+    kind: Literal["rateLimit"]
+    # HTTP's Retry-After takes whole seconds; omitted means no header at all.
+    retry_after_seconds: Annotated[int, Field(ge=0)] | None = None
+    message: str = "Rate limit exceeded, please retry later"
+
+
+class ServerErrorFault(_FaultBase):
+    kind: Literal["serverError"]
+    status: Annotated[int, Field(ge=500, le=599)] = 503
+    message: str = "The upstream provider is temporarily unavailable"
+
+
+class ResetFault(_FaultBase):
+    kind: Literal["reset"]
+
+
+class NoResponseFault(_FaultBase):
+    kind: Literal["noResponse"]
+    seconds: Annotated[float, Field(gt=0)] = 300.0
+
+
+class LateFirstTokenFault(_FaultBase):
+    kind: Literal["lateFirstToken"]
+    seconds: Annotated[float, Field(ge=0)]
+
+
+class StallFault(_FaultBase):
+    kind: Literal["stall"]
+    after_tokens: Annotated[int, Field(ge=0)] = 1
+    seconds: Annotated[float, Field(ge=0)] = 300.0
+
+
+class CutFault(_FaultBase):
+    kind: Literal["cut"]
+    after_tokens: Annotated[int, Field(ge=0)] = 1
+
+
+class NoDoneFault(_FaultBase):
+    kind: Literal["noDone"]
+
+
+class StreamErrorFault(_FaultBase):
+    kind: Literal["streamError"]
+    after_tokens: Annotated[int, Field(ge=0)] = 1
+    message: str = "Upstream provider returned an error mid-stream"
+    code: int = 502
+
+
+class EmptyFault(_FaultBase):
+    kind: Literal["empty"]
+
+
+class MojibakeFault(_FaultBase):
+    kind: Literal["mojibake"]
+
+
+class ReplacementCharFault(_FaultBase):
+    kind: Literal["replacementChar"]
+
+
+class RateCollapseFault(_FaultBase):
+    kind: Literal["rateCollapse"]
+    after_tokens: Annotated[int, Field(ge=0)] = 1
+    tokens_per_second: Annotated[float, Field(gt=0)]
+
+
+class SplitWritesFault(_FaultBase):
+    kind: Literal["splitWrites"]
+    # None: cut every write just after the lead byte of each multi-byte UTF-8 character,
+    # which guarantees every such character straddles two writes without slowing ASCII.
+    piece_bytes: Annotated[int, Field(ge=1)] | None = None
+    pause_seconds: Annotated[float, Field(ge=0)] = 0.005
+
+
+class DownFault(_FaultBase):
+    kind: Literal["down"]
+
+
+Fault = Annotated[
+    RateLimitFault
+    | ServerErrorFault
+    | ResetFault
+    | NoResponseFault
+    | LateFirstTokenFault
+    | StallFault
+    | CutFault
+    | NoDoneFault
+    | StreamErrorFault
+    | EmptyFault
+    | MojibakeFault
+    | ReplacementCharFault
+    | RateCollapseFault
+    | SplitWritesFault
+    | DownFault,
+    Field(discriminator="kind"),
+]
+
+FAULT_KINDS: tuple[str, ...] = (
+    "rateLimit",
+    "serverError",
+    "reset",
+    "noResponse",
+    "lateFirstToken",
+    "stall",
+    "cut",
+    "noDone",
+    "streamError",
+    "empty",
+    "mojibake",
+    "replacementChar",
+    "rateCollapse",
+    "splitWrites",
+    "down",
+)
+
+_FAULT_LIST: TypeAdapter[tuple[Fault, ...]] = TypeAdapter(tuple[Fault, ...])
+
+
+# --- models and machines ----------------------------------------------------------------
+
+
+class MachineSpec(_Frozen):
+    """One upstream behind the aggregator (OpenRouter calls these providers)."""
+
+    # No `/`: the control API addresses a machine as the last path segment.
+    name: Annotated[str, Field(min_length=1, pattern=r"^[^/\s]+$")]
+    ttft_seconds: Annotated[float, Field(ge=0)] | None = None
+    tokens_per_second: Annotated[float, Field(ge=0)] | None = None
+    jitter: Annotated[float, Field(ge=0, le=1)] = 0.0
+    continues_partial_message: bool = False
+    faults: tuple[Fault, ...] = ()
+
+
+class ModelSpec(_Frozen):
+    name: Annotated[str, Field(min_length=1)]
+    reply: str = DEFAULT_REPLY
+    machines: tuple[MachineSpec, ...]
+
+    # Checked after item validation (not with `min_length`) so that a bad machine does not
+    # also produce a confusing "too short" error for the list that contains it.
+    @field_validator("machines")
+    @classmethod
+    def _machines_nonempty_unique(
+        cls, machines: tuple[MachineSpec, ...]
+    ) -> tuple[MachineSpec, ...]:
+        _require_unique_nonempty([m.name for m in machines], "machine")
+        return machines
+
+    def machine(self, name: str) -> MachineSpec | None:
+        for machine in self.machines:
+            if machine.name == name:
+                return machine
+        return None
+
+
+class Scenario(_Frozen):
+    seed: int = 0
+    # None mirrors OpenRouter: `text/event-stream` with no charset parameter, which is what
+    # tempts clients into a latin-1 fallback. "utf-8" adds `; charset=utf-8`.
+    charset: Literal["utf-8"] | None = None
+    # Request records kept for /_sim/requests; the oldest are dropped beyond this.
+    record_limit: Annotated[int, Field(ge=1)] = 100_000
+    models: tuple[ModelSpec, ...]
+
+    @field_validator("models")
+    @classmethod
+    def _models_nonempty_unique(cls, models: tuple[ModelSpec, ...]) -> tuple[ModelSpec, ...]:
+        _require_unique_nonempty([m.name for m in models], "model")
+        return models
+
+    def model(self, name: str) -> ModelSpec | None:
+        for model in self.models:
+            if model.name == name:
+                return model
+        return None
+
+
+def _require_unique_nonempty(names: Sequence[str], what: str) -> None:
+    if not names:
+        raise ValueError(f"at least one {what} is required; add a `- name: ...` entry")
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"{what} name {name!r} appears more than once; names must be unique")
+        seen.add(name)
+
+
+# --- loading ----------------------------------------------------------------------------
+
+
+def load_scenario(path: Path) -> Scenario:
+    """Read and validate a YAML scenario file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read scenario file: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"{path}: scenario file is not valid UTF-8: {exc}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{path}: not valid YAML: {exc}") from exc
+    return parse_scenario(data, source=str(path))
+
+
+def parse_scenario(data: Any, *, source: str = "<scenario>") -> Scenario:
+    """Validate already-parsed scenario data (a mapping, as loaded from YAML or JSON)."""
+    if not isinstance(data, Mapping):
+        raise ScenarioError(
+            f"{source}: a scenario must be a mapping with at least `models:`, "
+            f"got {type(data).__name__}"
+        )
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ScenarioError(_describe(exc, source, "invalid scenario", prefix=())) from exc
+
+
+def parse_faults(data: Any, *, source: str) -> tuple[Fault, ...]:
+    """Validate a runtime fault list with the same rules as the scenario file."""
+    try:
+        return _FAULT_LIST.validate_python(data)
+    except ValidationError as exc:
+        raise ScenarioError(_describe(exc, source, "invalid faults", ("faults",))) from exc
+
+
+def dump_faults(faults: Iterable[Fault]) -> list[dict[str, Any]]:
+    """Faults as they would be written in a scenario file (camelCase, defaults omitted)."""
+    return [f.model_dump(mode="json", by_alias=True, exclude_none=True) for f in faults]
+
+
+def _describe(
+    exc: ValidationError, source: str, what: str, prefix: tuple[str | int, ...]
+) -> str:
+    lines = [f"{source}: {what} ({exc.error_count()} problem(s)):"]
+    for error in exc.errors(include_url=False):
+        path, fault_kind = _render_path(prefix + tuple(error["loc"]))
+        lines.append(f"  {path or '<top level>'}: {_advice(error, fault_kind)}")
+    return "\n".join(lines)
+
+
+def _render_path(loc: tuple[str | int, ...]) -> tuple[str, str | None]:
+    """`models[0].machines[1].faults[0].seconds`, dropping the union tag pydantic inserts
+    after a fault's index (reported separately so the message can name the fault kind)."""
+    out = ""
+    fault_kind: str | None = None
+    previous: str | int | None = None
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(previous, int) and part in FAULT_KINDS:
+            fault_kind = part
+        else:
+            out += f".{part}" if out else part
+        previous = part
+    return out, fault_kind
+
+
+def _advice(error: Any, fault_kind: str | None) -> str:
+    kind = error["type"]
+    where = f" (in a `{fault_kind}` fault)" if fault_kind else ""
+    if kind == "extra_forbidden":
+        field = str(error["loc"][-1])
+        close = difflib.get_close_matches(field, _known_field_names(), n=1)
+        hint = f"; did you mean `{close[0]}`?" if close else "; remove it"
+        return f"unknown field `{field}`{where}{hint} (field names are camelCase)"
+    if kind == "missing":
+        return f"required field is missing{where}; add it"
+    if kind == "union_tag_not_found":
+        return f"a fault needs `kind:`, one of {', '.join(FAULT_KINDS)}"
+    if kind == "union_tag_invalid":
+        tag = error.get("ctx", {}).get("tag")
+        return f"unknown fault kind {tag!r}; use one of {', '.join(FAULT_KINDS)}"
+    message = str(error["msg"]).removeprefix("Value error, ")
+    got = error.get("input")
+    shown = "" if isinstance(got, dict | list) else f" (got {_short_repr(got)})"
+    return f"{message}{shown}{where}"
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _known_field_names() -> list[str]:
+    classes: list[type[BaseModel]] = [Scenario, ModelSpec, MachineSpec]
+    classes.extend(_FaultBase.__subclasses__())
+    names: set[str] = set()
+    for cls in classes:
+        for name, info in cls.model_fields.items():
+            names.add(info.alias or name)
+    return sorted(names)
