@@ -66,7 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     compile_.add_argument("directory", type=Path)
     compile_.set_defaults(handler=_run_compile)
 
-    demo = commands.add_parser("demo", help="run the simulated provider and the proxy, with traffic")
+    demo = commands.add_parser(
+        "demo", help="run the simulated provider and the proxy, with traffic"
+    )
     demo.add_argument("--requests", type=int, default=60, help="how many requests to send")
     demo.set_defaults(handler=_run_demo)
     return parser

@@ -1,0 +1,139 @@
+"""Mutable runtime state of a running simulator: per-machine counters and faults, and the
+request records served by `/_sim/requests`.
+
+Everything that can be computed once per scenario (tokenised replies, their JSON
+encodings) is computed here at start-up, keeping the request path to lookups and
+concatenation.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from rolegate_sim.faults import needs_rng
+from rolegate_sim.scenario import Fault, MachineSpec, ModelSpec, Scenario
+from rolegate_sim.text import encode_json_string, tokenize
+
+
+class Outcome(StrEnum):
+    COMPLETED = "completed"
+    CLIENT_DISCONNECTED = "client_disconnected"
+    ERROR_STATUS = "error_status"
+    RESET = "reset"
+    CUT = "cut"
+    STREAM_ERROR = "stream_error"
+    NO_RESPONSE = "no_response"
+    SERVER_STOPPED = "server_stopped"
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one chat request. Never holds prompt or completion text."""
+
+    seq: int
+    started_at: float
+    model: str | None = None
+    machine: str | None = None
+    stream: bool = False
+    fault: str | None = None
+    split_writes: bool = False
+    # Machines the aggregator skipped because a `down` fault fired on them.
+    skipped_down: list[str] = field(default_factory=list)
+    continued_partial: bool = False
+    provider: dict[str, Any] | None = None
+    status: int | None = None
+    outcome: Outcome | None = None
+    tokens_sent: int = 0
+    ended_at: float | None = None
+
+    def finish(self, outcome: Outcome) -> None:
+        # The first outcome wins: after a deliberate cut or reset the handler is cancelled
+        # by the lost connection, and that must not relabel it as a client disconnect.
+        if self.outcome is None:
+            self.outcome = outcome
+            self.ended_at = time.time()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "model": self.model,
+            "machine": self.machine,
+            "stream": self.stream,
+            "fault": self.fault,
+            "split_writes": self.split_writes,
+            "skipped_down": list(self.skipped_down),
+            "continued_partial": self.continued_partial,
+            "provider": self.provider,
+            "status": self.status,
+            "outcome": "in_progress" if self.outcome is None else str(self.outcome),
+            "tokens_sent": self.tokens_sent,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+        }
+
+
+class MachineState:
+    __slots__ = ("faults", "model", "name", "name_json", "requests", "spec", "uses_rng")
+
+    def __init__(self, model: str, spec: MachineSpec) -> None:
+        self.model = model
+        self.spec = spec
+        self.name = spec.name
+        self.name_json = encode_json_string(spec.name)
+        self.requests = 0
+        self.faults: tuple[Fault, ...] = ()
+        self.uses_rng = False
+        self.set_faults(spec.faults)
+
+    def set_faults(self, faults: tuple[Fault, ...]) -> None:
+        self.faults = faults
+        self.uses_rng = self.spec.jitter > 0 or needs_rng(faults)
+
+    def next_request_number(self) -> int:
+        self.requests += 1
+        return self.requests
+
+
+class ModelState:
+    __slots__ = ("machine_names", "machines", "name", "name_json", "spec", "token_json", "tokens")
+
+    def __init__(self, spec: ModelSpec) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.name_json = encode_json_string(spec.name)
+        self.machines = {m.name: MachineState(spec.name, m) for m in spec.machines}
+        self.machine_names = tuple(self.machines)
+        self.tokens = tokenize(spec.reply)
+        self.token_json = tuple(encode_json_string(t) for t in self.tokens)
+
+
+class SimState:
+    """The state behind one app; `reset()` returns it to exactly the just-started state."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.stopping = False
+        self.models: dict[str, ModelState] = {}
+        self.records: deque[RequestRecord] = deque(maxlen=scenario.record_limit)
+        self._seq = itertools.count(1)
+        self.reset()
+
+    def reset(self) -> None:
+        # Fresh objects rather than clearing in place: requests still in flight finish
+        # into their old record and machine objects without touching the new run.
+        self.models = {m.name: ModelState(m) for m in self.scenario.models}
+        self.records = deque(maxlen=self.scenario.record_limit)
+        self._seq = itertools.count(1)
+
+    def open_record(self) -> RequestRecord:
+        record = RequestRecord(seq=next(self._seq), started_at=time.time())
+        self.records.append(record)
+        return record
+
+    def records_since(self, seq: int) -> list[dict[str, Any]]:
+        return [r.to_json() for r in self.records if r.seq > seq]
