@@ -184,7 +184,8 @@ def _summary(results: list[Result], out: TextIO) -> None:
         served = Counter(f"{r.model} @ {r.machine}" for r in ok)
         errors = Counter(r.error for r in mine if not r.ok)
         print(
-            f"{role:<8} {len(mine):>4} {len(ok):>4} {_p(latencies, 0.5):>8} {_p(latencies, 0.95):>8} "
+            f"{role:<8} {len(mine):>4} {len(ok):>4} "
+            f"{_p(latencies, 0.5):>8} {_p(latencies, 0.95):>8} "
             f"{_p(ttfts, 0.5):>9} {_p(ttfts, 0.95):>9}  "
             + ", ".join(f"{k}: {v}" for k, v in sorted(served.items())),
             file=out,
