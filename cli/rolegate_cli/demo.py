@@ -120,7 +120,7 @@ async def _one(client: openai.AsyncOpenAI, role: str, prompt: str) -> Result:
             machine = raw.headers.get("x-rolegate-machine", "-")
             model = raw.headers.get("x-rolegate-model", "-")
             ttft: float | None = None
-            async for chunk in await raw.parse():
+            async for chunk in raw.parse():
                 if ttft is None and chunk.choices and chunk.choices[0].delta.content:
                     ttft = (time.perf_counter() - started) * 1000
         else:

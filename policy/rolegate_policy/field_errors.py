@@ -22,11 +22,23 @@ from rolegate_policy.verdicts import FieldError
 
 Loc = tuple[str | int, ...]
 
-# Field names that suggest someone is trying to put a credential into the spec.
-_CREDENTIAL_NAME = re.compile(
-    r"api[-_]?key|token|secret|passw(or)?d|credential|authori[sz]ation|bearer|private[-_]?key",
-    re.IGNORECASE,
+# Words of a field name that say someone is putting a credential into the spec. Whole
+# words, so `expected_output_tokens` (a misspelled expectedOutputTokens) is not one.
+_CREDENTIAL_WORDS = frozenset(
+    {
+        "apikey",
+        "token",
+        "secret",
+        "password",
+        "passwd",
+        "credential",
+        "credentials",
+        "auth",
+        "authorization",
+        "bearer",
+    }
 )
+_KEY_QUALIFIERS = frozenset({"api", "access", "private", "secret", "auth"})
 
 # Patterns get a plain-language gloss; a bare regular expression is not a fix.
 _PATTERN_HINTS: dict[str, str] = {}
@@ -155,7 +167,7 @@ def _message(kind: str, default: str, ctx: dict[str, Any], loc: Loc, model: type
 def _unknown_field(loc: Loc, model: type[BaseModel]) -> str:
     name = str(loc[-1]) if loc else ""
     known = _aliases_at(model, loc[:-1])
-    if _CREDENTIAL_NAME.search(name):
+    if _looks_like_credential(name):
         return (
             "a credential does not belong in the spec, where anyone who can read the "
             "resource or the compiled configuration would see it; store it in a Secret "
@@ -167,6 +179,16 @@ def _unknown_field(loc: Loc, model: type[BaseModel]) -> str:
         close = [camel] if camel in known else difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean {close[0]}?" if close else f"; allowed here: {', '.join(known)}"
     return f"unknown field{hint}"
+
+
+def _looks_like_credential(name: str) -> bool:
+    words = [word.lower() for word in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+", name)]
+    if name.lower() in ("key", "apikey") or _CREDENTIAL_WORDS.intersection(words):
+        return True
+    return any(
+        word == "key" and index > 0 and words[index - 1] in _KEY_QUALIFIERS
+        for index, word in enumerate(words)
+    )
 
 
 def _camel(name: str) -> str:

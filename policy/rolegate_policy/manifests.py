@@ -198,50 +198,48 @@ def _read(
     non-rolegate document (a kustomization.yaml) legitimately has none.
     """
     errors: list[FieldError] = []
-    api_version = document.get("apiVersion")
-    kind = document.get("kind")
-    metadata = document.get("metadata", {})
-    spec = document.get("spec", {})
-    if not isinstance(api_version, str) or not api_version:
+    api_version = _text(document.get("apiVersion"))
+    kind = _text(document.get("kind"))
+    metadata = document.get("metadata")
+    spec = document.get("spec")
+    if api_version is None:
         errors.append(
             FieldError(field="apiVersion", message=f"is required (e.g. {GROUP}/v1alpha1)")
         )
-    if not isinstance(kind, str) or not kind:
-        errors.append(
-            FieldError(field="kind", message="is required (RoleTable or ProviderPolicy)")
-        )
+    if kind is None:
+        errors.append(FieldError(field="kind", message="is required (RoleTable or ProviderPolicy)"))
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, Mapping):
         errors.append(FieldError(field="metadata", message="must be a mapping of fields"))
         metadata = {}
-    name = metadata.get("name")
-    if not isinstance(name, str) or not name:
-        name = ""
-        if require_name:
-            errors.append(FieldError(field="metadata.name", message="is required"))
-    namespace = metadata.get("namespace")
+    name = _text(metadata.get("name"))
+    if name is None and require_name:
+        errors.append(FieldError(field="metadata.name", message="is required"))
     generation = metadata.get("generation")
     if spec is None:
         spec = {}
     if not isinstance(spec, Mapping):
         errors.append(FieldError(field="spec", message="must be a mapping of fields"))
-    if errors:
+    if errors or api_version is None or kind is None or not isinstance(spec, Mapping):
         return None, errors
-    assert isinstance(api_version, str) and isinstance(kind, str) and isinstance(spec, Mapping)
-    return (
-        Manifest(
-            source=source,
-            api_version=api_version,
-            kind=kind,
-            name=name,
-            namespace=namespace if isinstance(namespace, str) and namespace else None,
-            # bool is an int in Python; a `generation: true` is not a generation.
-            generation=generation
-            if isinstance(generation, int) and not isinstance(generation, bool)
-            else None,
-            spec=_plain(spec),
-        ),
-        [],
+    manifest = Manifest(
+        source=source,
+        api_version=api_version,
+        kind=kind,
+        name=name or "",
+        namespace=_text(metadata.get("namespace")),
+        # bool is an int in Python; a `generation: true` is not a generation.
+        generation=generation
+        if isinstance(generation, int) and not isinstance(generation, bool)
+        else None,
+        spec=_plain(spec),
     )
+    return manifest, []
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def _plain(value: Any) -> Any:
@@ -301,8 +299,8 @@ def _construct_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[
             continue
         if first_line is not None:
             raise yaml.constructor.ConstructorError(
-                "while constructing a mapping",
-                node.start_mark,
+                None,
+                None,
                 f"found duplicate key {shorten(key, 40)!r} (first at line {first_line})",
                 key_node.start_mark,
             )

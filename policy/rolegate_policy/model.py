@@ -89,7 +89,7 @@ def _duplicates(
         problems.append(
             (
                 loc,
-                f"{what} {shorten(name)!r} is listed twice (first at {list_field}"
+                f"{what} {shorten(name)} is listed twice (first at {list_field}"
                 f"[{first_index[name]}]); {why}",
             )
         )
@@ -331,11 +331,13 @@ class BreakerSpec(SpecModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 _cel(
+                    "!has(self.maxCooldownSeconds) || !has(self.cooldownSeconds) || "
                     "self.maxCooldownSeconds >= self.cooldownSeconds",
                     "maxCooldownSeconds must be at least cooldownSeconds",
                     ".maxCooldownSeconds",
                 ),
                 _cel(
+                    "!has(self.rateMinSamples) || !has(self.rateWindow) || "
                     "self.rateMinSamples <= self.rateWindow",
                     "rateMinSamples must not exceed rateWindow",
                     ".rateMinSamples",
@@ -496,14 +498,14 @@ class ProviderPolicySpec(SpecModel):
         json_schema_extra={
             "x-kubernetes-validations": [
                 _cel(
-                    "self.dialect != 'OpenAI' || self.models.all(m, !has(m.machines) "
-                    "|| size(m.machines) <= 1)",
+                    "(has(self.dialect) && self.dialect != 'OpenAI') || "
+                    "self.models.all(m, !has(m.machines) || size(m.machines) <= 1)",
                     "with dialect OpenAI each model lists at most one machine",
                     ".models",
                 ),
                 _cel(
-                    "self.dialect != 'Aggregator' || self.models.all(m, has(m.machines) "
-                    "&& size(m.machines) >= 1)",
+                    "!has(self.dialect) || self.dialect != 'Aggregator' || "
+                    "self.models.all(m, has(m.machines) && size(m.machines) >= 1)",
                     "with dialect Aggregator each model lists at least one machine",
                     ".models",
                 ),

@@ -26,8 +26,7 @@ def resolve_ruling(
     threshold = seconds(auto_only_below_seconds)
     if visibility is Visibility.WATCHED:
         return Ruling.ORDER, (
-            "Auto: Watched, so a person reads the stream and a slow answer beats no "
-            "answer (Order)"
+            "Auto: Watched, so a person reads the stream and a slow answer beats no answer (Order)"
         )
     if patience_seconds < auto_only_below_seconds:
         return Ruling.ONLY, (

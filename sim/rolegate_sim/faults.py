@@ -67,5 +67,6 @@ def _fires(fault: Fault, number: int, rng: random.Random | None) -> bool:
         return True
     if fault.schedule is not None:
         return number in fault.schedule
-    assert fault.probability is not None and rng is not None
+    assert fault.probability is not None
+    assert rng is not None
     return rng.random() < fault.probability

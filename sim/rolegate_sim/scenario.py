@@ -87,7 +87,8 @@ class RateLimitFault(_FaultBase):
 
 class ServerErrorFault(_FaultBase):
     kind: Literal["serverError"]
-    status: Annotated[int, Field(ge=500, le=599)] = 503
+    # Any error status: 5xx for provider failures, 4xx to simulate a request the upstream rejects.
+    status: Annotated[int, Field(ge=400, le=599)] = 503
     message: str = "The upstream provider is temporarily unavailable"
 
 
@@ -310,9 +311,7 @@ def dump_faults(faults: Iterable[Fault]) -> list[dict[str, Any]]:
     return [f.model_dump(mode="json", by_alias=True, exclude_none=True) for f in faults]
 
 
-def _describe(
-    exc: ValidationError, source: str, what: str, prefix: tuple[str | int, ...]
-) -> str:
+def _describe(exc: ValidationError, source: str, what: str, prefix: tuple[str | int, ...]) -> str:
     lines = [f"{source}: {what} ({exc.error_count()} problem(s)):"]
     for error in exc.errors(include_url=False):
         path, fault_kind = _render_path(prefix + tuple(error["loc"]))

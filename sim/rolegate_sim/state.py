@@ -39,6 +39,8 @@ class RequestRecord:
     started_at: float
     model: str | None = None
     machine: str | None = None
+    # The request's 1-based number on its machine: what `schedule` and the RNG key on.
+    machine_request: int | None = None
     stream: bool = False
     fault: str | None = None
     split_writes: bool = False
@@ -63,6 +65,7 @@ class RequestRecord:
             "seq": self.seq,
             "model": self.model,
             "machine": self.machine,
+            "machine_request": self.machine_request,
             "stream": self.stream,
             "fault": self.fault,
             "split_writes": self.split_writes,
@@ -118,6 +121,9 @@ class SimState:
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
         self.stopping = False
+        charset = "" if scenario.charset is None else f"; charset={scenario.charset}"
+        self.sse_content_type = "text/event-stream" + charset
+        self.json_content_type = "application/json" + charset
         self.models: dict[str, ModelState] = {}
         self.records: deque[RequestRecord] = deque(maxlen=scenario.record_limit)
         self._seq = itertools.count(1)

@@ -1,0 +1,293 @@
+"""`POST /v1/chat/completions`: parse, route like an aggregator, apply the fault, answer.
+
+Every request gets a record the moment it arrives; whatever happens (including the
+handler being cancelled because the client went away) the record is finished exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from rolegate_sim.completion import Plan, send_completion, send_stream
+from rolegate_sim.faults import FaultDecision, decide, request_rng
+from rolegate_sim.pacing import Pacer
+from rolegate_sim.routing import (
+    NO_PREFERENCES,
+    PreferenceError,
+    ProviderPreferences,
+    parse_preferences,
+    preference_list,
+)
+from rolegate_sim.scenario import (
+    EmptyFault,
+    LateFirstTokenFault,
+    MojibakeFault,
+    NoResponseFault,
+    RateCollapseFault,
+    RateLimitFault,
+    ReplacementCharFault,
+    ResetFault,
+    ServerErrorFault,
+    SplitWritesFault,
+)
+from rolegate_sim.state import MachineState, ModelState, Outcome, RequestRecord, SimState
+from rolegate_sim.stream import (
+    await_cancellation,
+    close_connection,
+    error_body,
+    reset_connection,
+    send_body,
+)
+from rolegate_sim.text import (
+    estimate_prompt_tokens,
+    message_text,
+    mojibake,
+    tokenize,
+    with_replacement_characters,
+)
+
+SIM_STATE: web.AppKey[SimState] = web.AppKey("rolegate_sim.state", SimState)
+
+
+class BadRequest(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    model: str
+    messages: list[Any]
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    # None when the body had no `provider` object at all.
+    preferences: ProviderPreferences | None
+
+
+def parse_chat_request(raw: bytes) -> ChatRequest:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("`model` is required and must be a string")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("`messages` is required and must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"`messages[{i}]` must be an object with a string `role`")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("`stream` must be a boolean")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("`stream_options` must be an object")
+    include_usage = options.get("include_usage", False) is True
+    # OpenAI's newer name wins when both are sent, as it does upstream.
+    max_tokens: Any = body.get("max_completion_tokens")
+    field = "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, field = body.get("max_tokens"), "max_tokens"
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        raise BadRequest(f"`{field}` must be a positive integer")
+    try:
+        preferences = None if "provider" not in body else parse_preferences(body["provider"])
+    except PreferenceError as exc:
+        raise BadRequest(str(exc)) from exc
+    return ChatRequest(model, messages, stream, include_usage, max_tokens, preferences)
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    state = request.app[SIM_STATE]
+    record = state.open_record()
+    try:
+        return await _serve(request, state, record)
+    except asyncio.CancelledError:
+        # The client went away (aiohttp cancels the handler on connection loss) or the
+        # server is stopping. Record it, and let the cancellation propagate.
+        record.finish(Outcome.SERVER_STOPPED if state.stopping else Outcome.CLIENT_DISCONNECTED)
+        raise
+    except Exception:
+        record.status = 500
+        record.finish(Outcome.ERROR_STATUS)
+        raise
+
+
+@dataclass(frozen=True, slots=True)
+class _Routed:
+    machine: MachineState
+    number: int
+    decision: FaultDecision
+    # The request's own RNG (None when nothing random applies): fault draws, then jitter.
+    rng: random.Random | None
+
+
+def _route(
+    state: SimState, model: ModelState, prefs: ProviderPreferences, record: RequestRecord
+) -> _Routed | None:
+    seed = state.scenario.seed
+    for name in preference_list(model.machine_names, prefs):
+        machine = model.machines[name]
+        number = machine.next_request_number()
+        rng = request_rng(seed, model.name, name, number) if machine.uses_rng else None
+        decision = decide(machine.faults, number, rng)
+        if decision.down:
+            record.skipped_down.append(name)
+            continue
+        return _Routed(machine, number, decision, rng)
+    return None
+
+
+async def _serve(
+    request: web.Request, state: SimState, record: RequestRecord
+) -> web.StreamResponse:
+    try:
+        chat = parse_chat_request(await request.read())
+    except BadRequest as exc:
+        return await _error(request, state, record, 400, str(exc), "invalid_request_error")
+    record.model = chat.model
+    record.stream = chat.stream
+    record.provider = None if chat.preferences is None else chat.preferences.as_record()
+
+    model = state.models.get(chat.model)
+    if model is None:
+        known = ", ".join(state.models)
+        message = f"model {chat.model!r} does not exist on this simulator (it serves: {known})"
+        return await _error(request, state, record, 404, message, "not_found_error")
+
+    routed = _route(state, model, chat.preferences or NO_PREFERENCES, record)
+    if routed is None:
+        message = f"No endpoints found for {chat.model} matching your provider preferences"
+        return await _error(request, state, record, 404, message, "not_found_error")
+
+    machine, decision = routed.machine, routed.decision
+    fault, split = decision.fault, decision.split
+    record.machine = machine.name
+    record.machine_request = routed.number
+    record.fault = None if fault is None else fault.kind
+    record.split_writes = split is not None
+
+    if isinstance(fault, RateLimitFault):
+        retry = fault.retry_after_seconds
+        headers = () if retry is None else (("Retry-After", str(retry)),)
+        return await _error(
+            request, state, record, 429, fault.message, "rate_limit_error", split, headers
+        )
+    if isinstance(fault, ServerErrorFault):
+        return await _error(
+            request, state, record, fault.status, fault.message, "server_error", split
+        )
+    if isinstance(fault, ResetFault):
+        record.finish(Outcome.RESET)
+        reset_connection(request)
+        await await_cancellation()
+    if isinstance(fault, NoResponseFault):
+        await asyncio.sleep(fault.seconds)
+        record.finish(Outcome.NO_RESPONSE)
+        close_connection(request)
+        await await_cancellation()
+
+    plan = _plan(state, model, routed, chat, record)
+    if chat.stream:
+        return await send_stream(request, plan, record)
+    return await send_completion(request, plan, record)
+
+
+def _plan(
+    state: SimState, model: ModelState, routed: _Routed, chat: ChatRequest, record: RequestRecord
+) -> Plan:
+    machine, fault = routed.machine, routed.decision.fault
+    spec = machine.spec
+    tokens: tuple[str, ...] = model.tokens
+    token_json: tuple[bytes, ...] | None = model.token_json
+
+    last = chat.messages[-1]
+    if spec.continues_partial_message and last.get("role") == "assistant":
+        prefill = message_text(last.get("content"))
+        reply = model.spec.reply
+        # Continue only when the reply really extends the prefill; otherwise the whole
+        # reply is sent, as a model that cannot continue would.
+        if prefill and reply.startswith(prefill):
+            tokens, token_json = tokenize(reply[len(prefill) :]), None
+            record.continued_partial = True
+
+    if isinstance(fault, EmptyFault):
+        tokens, token_json = (), ()
+    elif isinstance(fault, MojibakeFault):
+        tokens, token_json = mojibake(tokens), None
+    elif isinstance(fault, ReplacementCharFault):
+        tokens, token_json = with_replacement_characters(tokens), None
+
+    finish_reason = "stop"
+    if chat.max_tokens is not None and len(tokens) > chat.max_tokens:
+        tokens = tokens[: chat.max_tokens]
+        token_json = None if token_json is None else token_json[: chat.max_tokens]
+        finish_reason = "length"
+
+    ttft = spec.ttft_seconds or 0.0
+    if isinstance(fault, LateFirstTokenFault):
+        ttft = fault.seconds
+    pacer = Pacer(
+        start=asyncio.get_running_loop().time(),
+        ttft_seconds=ttft,
+        tokens_per_second=spec.tokens_per_second or 0.0,
+        jitter=spec.jitter,
+        rng=routed.rng,
+        collapse=fault if isinstance(fault, RateCollapseFault) else None,
+    )
+    return Plan(
+        gen_id="gen-" + secrets.token_hex(12),
+        created=int(time.time()),
+        model=(model.name, model.name_json),
+        provider=(machine.name, machine.name_json),
+        tokens=tokens,
+        token_json=token_json,
+        finish_reason=finish_reason,
+        prompt_tokens=estimate_prompt_tokens(chat.messages),
+        include_usage=chat.include_usage,
+        fault=fault,
+        split=routed.decision.split,
+        pacer=pacer,
+        content_type=state.sse_content_type if chat.stream else state.json_content_type,
+    )
+
+
+async def _error(
+    request: web.Request,
+    state: SimState,
+    record: RequestRecord,
+    status: int,
+    message: str,
+    error_type: str,
+    split: SplitWritesFault | None = None,
+    headers: tuple[tuple[str, str], ...] = (),
+) -> web.StreamResponse:
+    record.status = status
+    try:
+        response = await send_body(
+            request,
+            status=status,
+            body=error_body(status, message, error_type),
+            content_type=state.json_content_type,
+            split=split,
+            headers=headers,
+        )
+    except ConnectionError:
+        record.finish(Outcome.CLIENT_DISCONNECTED)
+        await await_cancellation()
+    record.finish(Outcome.ERROR_STATUS)
+    return response

@@ -1,0 +1,219 @@
+"""Sending a successful completion, streaming or not, with the in-band faults applied.
+
+The faults that decide whether there is a completion at all (rate limits, server errors,
+resets, no response, down) are handled in `chat`; this module gets a `Plan` and only
+deals with what happens once generation "starts": timing, stalls, cuts, mid-stream errors,
+missing `[DONE]`, empty replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from rolegate_sim.pacing import Pacer
+from rolegate_sim.scenario import (
+    CutFault,
+    EmptyFault,
+    Fault,
+    NoDoneFault,
+    SplitWritesFault,
+    StallFault,
+    StreamErrorFault,
+)
+from rolegate_sim.state import Outcome, RequestRecord
+from rolegate_sim.stream import (
+    DONE_EVENT,
+    ChunkEncoder,
+    EventWriter,
+    await_cancellation,
+    close_connection,
+    dumps,
+    error_body,
+    error_event,
+    send_body,
+)
+from rolegate_sim.text import encode_json_string
+
+
+@dataclass(slots=True)
+class Plan:
+    gen_id: str
+    created: int
+    model: tuple[str, bytes]  # (name, JSON-encoded name)
+    provider: tuple[str, bytes]
+    tokens: Sequence[str]
+    # Precomputed JSON strings of `tokens` when the reply is the scenario's unmodified one.
+    token_json: Sequence[bytes] | None
+    finish_reason: str
+    prompt_tokens: int
+    include_usage: bool
+    fault: Fault | None
+    split: SplitWritesFault | None
+    pacer: Pacer
+    content_type: str
+
+    def encoded_tokens(self) -> Sequence[bytes]:
+        if self.token_json is None:
+            self.token_json = tuple(encode_json_string(t) for t in self.tokens)
+        return self.token_json
+
+    def stop_index(self) -> int:
+        """How many tokens are generated before a cut or mid-stream error interrupts."""
+        fault = self.fault
+        n = len(self.tokens)
+        if isinstance(fault, CutFault | StreamErrorFault):
+            return min(fault.after_tokens, n)
+        return n
+
+    def stall_index(self) -> int | None:
+        """Before which token the stall happens; len(tokens) means before the finish."""
+        fault = self.fault
+        if isinstance(fault, StallFault):
+            return min(fault.after_tokens, len(self.tokens))
+        return None
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        }
+
+
+async def send_stream(
+    request: web.Request, plan: Plan, record: RequestRecord
+) -> web.StreamResponse:
+    response = web.StreamResponse(status=200)
+    response.headers["Content-Type"] = plan.content_type
+    response.headers["Cache-Control"] = "no-cache"
+    record.status = 200
+    encoder = ChunkEncoder(
+        gen_id=plan.gen_id, created=plan.created, model=plan.model, provider=plan.provider
+    )
+    writer = EventWriter(response, plan.split)
+    fault = plan.fault
+    pacer = plan.pacer
+    loop = asyncio.get_running_loop()
+    stop = plan.stop_index()
+    stall_at = plan.stall_index()
+    try:
+        await response.prepare(request)
+        # Headers and the role chunk go out at once, as OpenRouter does; TTFT is the wait
+        # for the first *content* event after them.
+        await writer.send(encoder.role())
+        token_json = plan.encoded_tokens()
+        for i in range(stop):
+            if i == stall_at:
+                assert isinstance(fault, StallFault)
+                pacer.delay(fault.seconds)
+            wait = pacer.next_due() - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await writer.send(encoder.content(token_json[i]))
+            record.tokens_sent = i + 1
+
+        if isinstance(fault, CutFault):
+            record.finish(Outcome.CUT)
+            close_connection(request)
+            await await_cancellation()
+        if isinstance(fault, StreamErrorFault):
+            await writer.send(error_event(fault.message, fault.code))
+            record.finish(Outcome.STREAM_ERROR)
+            await response.write_eof()
+            return response
+
+        if stall_at is not None and stall_at == stop:
+            assert isinstance(fault, StallFault)
+            await asyncio.sleep(fault.seconds)
+        if stop == 0:
+            # No token carried the first content: the finish event is what TTFT delays.
+            wait = pacer.next_due() - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+        is_empty = isinstance(fault, EmptyFault)
+        await writer.send(encoder.finish(plan.finish_reason, empty_content=is_empty))
+        if plan.include_usage:
+            await writer.send(encoder.usage(plan.usage(record.tokens_sent)))
+        if not isinstance(fault, NoDoneFault):
+            await writer.send(DONE_EVENT)
+        await response.write_eof()
+    except ConnectionError:
+        record.finish(Outcome.CLIENT_DISCONNECTED)
+        return response
+    record.finish(Outcome.COMPLETED)
+    return response
+
+
+async def send_completion(
+    request: web.Request, plan: Plan, record: RequestRecord
+) -> web.StreamResponse:
+    """Non-streaming: wait as long as generating the tokens would take, then answer at once.
+
+    cut closes the connection with no response; streamError answers with an HTTP error.
+    """
+    fault = plan.fault
+    stall_at = plan.stall_index()
+    interrupted = isinstance(fault, CutFault | StreamErrorFault)
+    # An empty answer still waits for its TTFT, hence at least one deadline.
+    generated = plan.stop_index() if interrupted else max(len(plan.tokens), 1)
+    due: float | None = None
+    for i in range(generated):
+        if i == stall_at:
+            assert isinstance(fault, StallFault)
+            plan.pacer.delay(fault.seconds)
+        due = plan.pacer.next_due()
+    if isinstance(fault, StallFault) and stall_at is not None and stall_at >= generated:
+        # Stalled after the last token, before the answer is complete.
+        due = (due or 0.0) + fault.seconds
+    if due is not None:
+        wait = due - asyncio.get_running_loop().time()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    try:
+        if isinstance(fault, CutFault):
+            record.finish(Outcome.CUT)
+            close_connection(request)
+            await await_cancellation()
+        if isinstance(fault, StreamErrorFault):
+            status = fault.code if 400 <= fault.code <= 599 else 502
+            record.status = status
+            body = error_body(status, fault.message, "server_error")
+            response = await send_body(
+                request, status=status, body=body, content_type=plan.content_type, split=plan.split
+            )
+            record.finish(Outcome.STREAM_ERROR)
+            return response
+
+        content = "".join(plan.tokens)
+        body = dumps(
+            {
+                "id": plan.gen_id,
+                "object": "chat.completion",
+                "created": plan.created,
+                "model": plan.model[0],
+                "provider": plan.provider[0],
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": plan.finish_reason,
+                    }
+                ],
+                "usage": plan.usage(len(plan.tokens)),
+            }
+        )
+        record.status = 200
+        response = await send_body(
+            request, status=200, body=body, content_type=plan.content_type, split=plan.split
+        )
+    except ConnectionError:
+        record.finish(Outcome.CLIENT_DISCONNECTED)
+        await await_cancellation()
+    record.tokens_sent = len(plan.tokens)
+    record.finish(Outcome.COMPLETED)
+    return response

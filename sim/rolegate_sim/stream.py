@@ -1,0 +1,196 @@
+"""Putting a completion on the wire: SSE events, JSON bodies, split writes, and the two
+ways of dropping a connection on purpose.
+
+The per-token path is one bytes concatenation and one `write`: the event's fixed head
+(`id`, `model`, `provider`, ...) is encoded once per request and each token's JSON string
+once per scenario.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+from aiohttp import web
+
+from rolegate_sim.scenario import SplitWritesFault
+
+DONE_EVENT = b"data: [DONE]\n\n"
+_ROLE_DELTA = b'{"role":"assistant","content":""}'
+_EMPTY_CONTENT_DELTA = b'{"content":""}'
+_NO_DELTA = b"{}"
+_MULTIBYTE_LEAD = re.compile(rb"[\xc0-\xff]")
+
+# After closing or aborting the transport on purpose, aiohttp cancels the handler as soon
+# as the loop reports the connection lost (handler_cancellation=True). This bounds the wait
+# should that notification never come.
+_CONNECTION_LOST_GRACE_SECONDS = 5.0
+
+
+def dumps(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+class ChunkEncoder:
+    """Encodes `chat.completion.chunk` events for one response."""
+
+    __slots__ = ("_head", "_identity")
+
+    def __init__(
+        self,
+        *,
+        gen_id: str,
+        created: int,
+        model: tuple[str, bytes],
+        provider: tuple[str, bytes],
+    ) -> None:
+        """`model` and `provider` are each (name, name as a JSON string)."""
+        (model_name, model_json), (provider_name, provider_json) = model, provider
+        self._identity: dict[str, Any] = {
+            "id": gen_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model_name,
+            "provider": provider_name,
+        }
+        self._head = b"".join(
+            (
+                b'data: {"id":"',
+                gen_id.encode("ascii"),
+                b'","object":"chat.completion.chunk","created":',
+                str(created).encode("ascii"),
+                b',"model":',
+                model_json,
+                b',"provider":',
+                provider_json,
+                b',"choices":[{"index":0,"delta":',
+            )
+        )
+
+    def role(self) -> bytes:
+        return self._head + _ROLE_DELTA + b',"finish_reason":null}]}\n\n'
+
+    def content(self, token_json: bytes) -> bytes:
+        return self._head + b'{"content":' + token_json + b'},"finish_reason":null}]}\n\n'
+
+    def finish(self, reason: str, *, empty_content: bool = False) -> bytes:
+        delta = _EMPTY_CONTENT_DELTA if empty_content else _NO_DELTA
+        return self._head + delta + b',"finish_reason":"' + reason.encode("ascii") + b'"}]}\n\n'
+
+    def usage(self, usage: Mapping[str, int]) -> bytes:
+        return b"data: " + dumps({**self._identity, "choices": [], "usage": dict(usage)}) + b"\n\n"
+
+
+def error_event(message: str, code: int) -> bytes:
+    # OpenRouter's mid-stream error shape: the HTTP status is already 200, so the error
+    # travels as a data event and the stream simply ends after it.
+    return b"data: " + dumps({"error": {"message": message, "code": code}}) + b"\n\n"
+
+
+def error_body(status: int, message: str, error_type: str) -> bytes:
+    return dumps({"error": {"message": message, "type": error_type, "param": None, "code": status}})
+
+
+def split_pieces(data: bytes, piece_bytes: int | None) -> list[bytes]:
+    if piece_bytes is not None:
+        return [data[i : i + piece_bytes] for i in range(0, len(data), piece_bytes)]
+    # Cut right after every lead byte of a multi-byte UTF-8 sequence: each non-ASCII
+    # character then straddles two writes, and ASCII-only data goes out in one piece.
+    pieces: list[bytes] = []
+    start = 0
+    for match in _MULTIBYTE_LEAD.finditer(data):
+        cut = match.end()
+        pieces.append(data[start:cut])
+        start = cut
+    if start < len(data):
+        pieces.append(data[start:])
+    return pieces
+
+
+async def write_split(response: web.StreamResponse, data: bytes, split: SplitWritesFault) -> None:
+    pieces = split_pieces(data, split.piece_bytes)
+    last = len(pieces) - 1
+    for i, piece in enumerate(pieces):
+        # One write per piece: asyncio sends to the socket at once when nothing is queued,
+        # and `write` waits for the buffer to drain under backpressure. The pause keeps
+        # the client from receiving consecutive pieces in a single read.
+        await response.write(piece)
+        if split.pause_seconds and i < last:
+            await asyncio.sleep(split.pause_seconds)
+
+
+class EventWriter:
+    """Writes whole events, or events in pieces when splitWrites fired."""
+
+    __slots__ = ("_response", "_split")
+
+    def __init__(self, response: web.StreamResponse, split: SplitWritesFault | None) -> None:
+        self._response = response
+        self._split = split
+
+    async def send(self, event: bytes) -> None:
+        if self._split is None:
+            await self._response.write(event)
+        else:
+            await write_split(self._response, event, self._split)
+
+
+async def send_body(
+    request: web.Request,
+    *,
+    status: int,
+    body: bytes,
+    content_type: str,
+    split: SplitWritesFault | None,
+    headers: Sequence[tuple[str, str]] = (),
+) -> web.StreamResponse:
+    """Send a complete (non-streaming) body now, so a failed write surfaces here as a
+    ConnectionError rather than after the handler has already recorded success."""
+    response: web.StreamResponse
+    if split is None:
+        response = web.Response(status=status, body=body)
+    else:
+        response = web.StreamResponse(status=status)
+        response.content_length = len(body)
+    response.headers["Content-Type"] = content_type
+    for name, value in headers:
+        response.headers[name] = value
+    await response.prepare(request)
+    if split is not None:
+        await write_split(response, body, split)
+    await response.write_eof()
+    return response
+
+
+def reset_connection(request: web.Request) -> None:
+    """Abort with SO_LINGER 0 so the kernel sends RST: the client sees a connection reset,
+    not a clean close, and not a single HTTP byte."""
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+def close_connection(request: web.Request) -> None:
+    """Flush what was written, then FIN: the body simply stops where it was."""
+    transport = request.transport
+    if transport is not None:
+        transport.close()
+
+
+async def await_cancellation() -> NoReturn:
+    """Park the handler after dropping the connection on purpose.
+
+    Returning a response would make aiohttp try to finish it on a closed transport;
+    the lost connection cancels this handler instead (handler_cancellation=True).
+    """
+    await asyncio.sleep(_CONNECTION_LOST_GRACE_SECONDS)
+    raise asyncio.CancelledError

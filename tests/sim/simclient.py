@@ -1,0 +1,184 @@
+"""Small clients for the simulator tests: scenario builders, an SSE parser, and a raw HTTP/1.1
+exchange over a plain socket for the tests that care about individual network reads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+MODEL = "vendor/model-a"
+REPLY = "one two three four five six"  # six tokens
+USER = [{"role": "user", "content": "hello there"}]
+
+
+def machine(name: str, *faults: dict[str, Any], **settings: Any) -> dict[str, Any]:
+    return {"name": name, "ttftSeconds": 0, "tokensPerSecond": 0, **settings, "faults": list(faults)}
+
+
+def scenario(*machines: dict[str, Any], reply: str = REPLY, **top: Any) -> dict[str, Any]:
+    return {"seed": 7, **top, "models": [{"name": MODEL, "reply": reply, "machines": list(machines)}]}
+
+
+def body(**fields: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": USER, **fields}
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    raw: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.raw)
+
+    @property
+    def events(self) -> list[Any]:
+        return parse_sse(self.raw)
+
+    @property
+    def chunks(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if isinstance(e, dict) and "choices" in e]
+
+    @property
+    def text(self) -> str:
+        return "".join(
+            choice["delta"].get("content") or ""
+            for chunk in self.chunks
+            for choice in chunk["choices"]
+        )
+
+
+def parse_sse(raw: bytes) -> list[Any]:
+    """`data:` payloads in order; JSON decoded, `[DONE]` kept as the string."""
+    events: list[Any] = []
+    for block in raw.decode("utf-8").split("\n\n"):
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+async def chat(session: aiohttp.ClientSession, url: str, payload: Any, **kwargs: Any) -> Reply:
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    async with session.post(
+        f"{url}/v1/chat/completions",
+        data=data,
+        headers={"Content-Type": "application/json"},
+        **kwargs,
+    ) as response:
+        raw = await response.read()
+        return Reply(response.status, dict(response.headers), raw)
+
+
+async def records(session: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:
+    async with session.get(f"{url}/_sim/requests") as response:
+        assert response.status == 200
+        result: list[dict[str, Any]] = await response.json()
+        return result
+
+
+async def finished_record(
+    session: aiohttp.ClientSession, url: str, within: float = 3.0
+) -> dict[str, Any]:
+    """The latest record once its outcome is final (the handler may still be unwinding)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        latest = (await records(session, url))[-1]
+        if latest["outcome"] != "in_progress":
+            return latest
+        assert loop.time() < deadline, f"record never finished: {latest}"
+        await asyncio.sleep(0.01)
+
+
+@dataclass
+class RawExchange:
+    reads: list[bytes] = field(default_factory=list)
+    reset: bool = False
+
+    @property
+    def raw(self) -> bytes:
+        return b"".join(self.reads)
+
+    def head_and_body(self) -> tuple[str, bytes]:
+        head, _, rest = self.raw.partition(b"\r\n\r\n")
+        return head.decode("latin-1"), rest
+
+    @property
+    def status(self) -> int:
+        return int(self.head_and_body()[0].split(" ", 2)[1])
+
+    def _segments(self) -> list[tuple[int, int]]:
+        """(raw offset, length) of every body byte run, HTTP chunk framing excluded."""
+        raw = self.raw
+        position = raw.index(b"\r\n\r\n") + 4
+        if b"transfer-encoding: chunked" not in raw[:position].lower():
+            return [(position, len(raw) - position)]
+        segments: list[tuple[int, int]] = []
+        while position < len(raw):
+            line_end = raw.index(b"\r\n", position)
+            size = int(raw[position:line_end], 16)
+            if size == 0:
+                break
+            segments.append((line_end + 2, size))
+            assert raw[line_end + 2 + size : line_end + 4 + size] == b"\r\n"
+            position = line_end + 4 + size
+        return segments
+
+    def chunks(self) -> list[bytes]:
+        """The body's HTTP/1.1 chunks (one per server write), framing removed."""
+        return [self.raw[start : start + size] for start, size in self._segments()]
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.chunks())
+
+    def read_boundaries_inside_characters(self) -> int:
+        """How many network reads ended in the middle of a multi-byte UTF-8 character of
+        the body: the body byte right after the read's end is a continuation byte."""
+        segments = self._segments()
+        body = self.body
+        count, boundary = 0, 0
+        for read in self.reads[:-1]:
+            boundary += len(read)
+            before = sum(min(max(boundary - start, 0), size) for start, size in segments)
+            if 0 < before < len(body) and 0x80 <= body[before] <= 0xBF:
+                count += 1
+        return count
+
+
+async def raw_post(port: int, payload: dict[str, Any], timeout: float = 5.0) -> RawExchange:
+    """POST over a bare socket with `Connection: close`, keeping every read separately."""
+    data = json.dumps(payload).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    exchange = RawExchange()
+    try:
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: sim\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
+        )
+        await writer.drain()
+        async with asyncio.timeout(timeout):
+            while True:
+                try:
+                    read = await reader.read(65536)
+                except ConnectionResetError:
+                    exchange.reset = True
+                    break
+                if not read:
+                    break
+                exchange.reads.append(read)
+    finally:
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except ConnectionError:
+            pass
+    return exchange

@@ -1,0 +1,462 @@
+"""Every fault kind, streamed and not, as a client on the wire sees it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from .conftest import StartSim
+from .simclient import (
+    MODEL,
+    REPLY,
+    USER,
+    body,
+    chat,
+    finished_record,
+    machine,
+    raw_post,
+    records,
+    scenario,
+)
+
+NON_ASCII = "a — café 日本 🎉 z"  # 1-, 2-, 3- and 4-byte UTF-8 sequences
+# asyncio may wake a timer up to a clock tick early; lower bounds allow for that.
+EARLY = 0.01
+
+
+def always(kind: str, **params: Any) -> dict[str, Any]:
+    return {"kind": kind, "always": True, **params}
+
+
+async def one_machine(start_sim: StartSim, *faults: dict[str, Any], **settings: Any) -> str:
+    reply = settings.pop("reply", REPLY)
+    sim = await start_sim(scenario(machine("a", *faults, **settings), reply=reply))
+    return sim.url
+
+
+# --- errors before any answer ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_rate_limit_is_a_429_with_retry_after(
+    start_sim: StartSim, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    url = await one_machine(start_sim, always("rateLimit", retryAfterSeconds=4))
+    reply = await chat(http, url, body(stream=stream))
+    assert reply.status == 429
+    assert reply.headers["Retry-After"] == "4"
+    assert reply.headers["Content-Type"] == "application/json"
+    error = reply.json()["error"]
+    assert error["type"] == "rate_limit_error"
+    assert error["code"] == 429
+    assert set(error) == {"message", "type", "param", "code"}
+    record = (await records(http, url))[-1]
+    assert (record["fault"], record["outcome"], record["status"]) == (
+        "rateLimit",
+        "error_status",
+        429,
+    )
+
+
+async def test_rate_limit_without_retry_after_sends_no_header(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("rateLimit"))
+    reply = await chat(http, url, body())
+    assert reply.status == 429
+    assert "Retry-After" not in reply.headers
+
+
+@pytest.mark.parametrize(("params", "status"), [({}, 503), ({"status": 500}, 500), ({"status": 400}, 400)])
+async def test_server_error_status(
+    start_sim: StartSim, http: aiohttp.ClientSession, params: dict[str, Any], status: int
+) -> None:
+    url = await one_machine(start_sim, always("serverError", **params))
+    for stream in (True, False):
+        reply = await chat(http, url, body(stream=stream))
+        assert reply.status == status
+        assert reply.json()["error"]["code"] == status
+
+
+async def test_the_openai_client_sees_a_rate_limit_error(start_sim: StartSim) -> None:
+    url = await one_machine(start_sim, always("rateLimit", retryAfterSeconds=1))
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        with pytest.raises(openai.RateLimitError):
+            await client.chat.completions.create(model=MODEL, messages=USER)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_reset_aborts_the_connection_without_an_http_byte(
+    start_sim: StartSim, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    sim = await start_sim(scenario(machine("a", always("reset"))))
+    exchange = await raw_post(sim.port, body(stream=stream))
+    assert exchange.reset
+    assert exchange.raw == b""
+    record = await finished_record(http, sim.url)
+    assert (record["fault"], record["outcome"], record["status"]) == ("reset", "reset", None)
+
+
+async def test_reset_reaches_aiohttp_as_a_connection_error(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("reset"))
+    with pytest.raises(aiohttp.ClientConnectionError):
+        await chat(http, url, body())
+
+
+async def test_no_response_until_the_client_gives_up(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("noResponse"))
+    started = time.perf_counter()
+    with pytest.raises(asyncio.TimeoutError):
+        await chat(http, url, body(stream=True), timeout=aiohttp.ClientTimeout(total=0.2))
+    assert time.perf_counter() - started < 1
+    record = await finished_record(http, url)
+    assert (record["fault"], record["outcome"], record["status"]) == (
+        "noResponse",
+        "client_disconnected",
+        None,
+    )
+
+
+async def test_no_response_is_bounded_by_seconds_then_closes_silently(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    sim = await start_sim(scenario(machine("a", always("noResponse", seconds=0.1))))
+    started = time.perf_counter()
+    exchange = await raw_post(sim.port, body())
+    assert 0.1 - EARLY <= time.perf_counter() - started < 1
+    assert exchange.raw == b""
+    record = await finished_record(http, sim.url)
+    assert record["outcome"] == "no_response"
+
+
+# --- timing faults ----------------------------------------------------------------------
+
+
+async def _content_arrivals(
+    http: aiohttp.ClientSession, url: str, payload: dict[str, Any]
+) -> list[float]:
+    arrivals: list[float] = []
+    started = time.perf_counter()
+    async with http.post(f"{url}/v1/chat/completions", json=payload) as response:
+        async for line in response.content:
+            if b'"delta":{"content":"' in line:
+                arrivals.append(time.perf_counter() - started)
+    return arrivals
+
+
+async def test_late_first_token_overrides_ttft(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(
+        start_sim, always("lateFirstToken", seconds=0.25), ttftSeconds=0.01, tokensPerSecond=0
+    )
+    arrivals = await _content_arrivals(http, url, body(stream=True))
+    assert len(arrivals) == 6
+    assert arrivals[0] >= 0.25 - EARLY
+    assert arrivals[-1] - arrivals[0] < 0.1
+    started = time.perf_counter()
+    await chat(http, url, body())
+    assert time.perf_counter() - started >= 0.25 - EARLY
+
+
+async def test_stall_pauses_after_some_tokens_then_resumes(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("stall", afterTokens=2, seconds=0.25))
+    arrivals = await _content_arrivals(http, url, body(stream=True))
+    assert len(arrivals) == 6
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    assert gaps[1] >= 0.25 - EARLY  # between token 2 and token 3
+    assert max(gaps[:1] + gaps[2:]) < 0.1
+    record = await finished_record(http, url)
+    assert (record["fault"], record["outcome"]) == ("stall", "completed")
+
+
+async def test_a_client_that_gives_up_during_a_stall_is_recorded(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("stall", afterTokens=3))  # default 300 s
+    with pytest.raises(asyncio.TimeoutError):
+        await chat(http, url, body(stream=True), timeout=aiohttp.ClientTimeout(sock_read=0.2))
+    record = await finished_record(http, url)
+    assert (record["outcome"], record["tokens_sent"]) == ("client_disconnected", 3)
+
+
+async def test_rate_collapse_slows_the_tail(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("rateCollapse", afterTokens=3, tokensPerSecond=20))
+    arrivals = await _content_arrivals(http, url, body(stream=True))
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    assert max(gaps[:2]) < 0.03  # the first three tokens at full speed
+    assert all(g >= 0.05 - EARLY for g in gaps[2:])  # then 1/20 s apart
+
+
+# --- broken streams ---------------------------------------------------------------------
+
+
+async def test_cut_closes_mid_stream_without_finish_or_done(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("cut", afterTokens=2))
+    lines: list[bytes] = []
+    with pytest.raises(aiohttp.ClientPayloadError):
+        async with http.post(f"{url}/v1/chat/completions", json=body(stream=True)) as response:
+            assert response.status == 200
+            async for line in response.content:
+                lines.append(line)
+    received = b"".join(lines)
+    assert received.count(b'"delta":{"content":"') == 2
+    assert b"finish_reason\":\"" not in received
+    assert b"[DONE]" not in received
+    record = await finished_record(http, url)
+    assert (record["fault"], record["outcome"], record["tokens_sent"]) == ("cut", "cut", 2)
+
+
+async def test_cut_on_a_non_streamed_call_drops_the_connection(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    sim = await start_sim(scenario(machine("a", always("cut"))))
+    exchange = await raw_post(sim.port, body())
+    assert exchange.raw == b""
+    assert (await finished_record(http, sim.url))["outcome"] == "cut"
+
+
+async def test_no_done_ends_the_stream_after_finish_reason(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("noDone"))
+    reply = await chat(http, url, body(stream=True, stream_options={"include_usage": True}))
+    assert reply.text == REPLY
+    assert reply.chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert "usage" in reply.chunks[-1]
+    assert "[DONE]" not in reply.events
+    assert (await finished_record(http, url))["outcome"] == "completed"
+    # Nothing to omit without a stream: a normal answer.
+    assert (await chat(http, url, body())).json()["choices"][0]["message"]["content"] == REPLY
+
+
+async def test_stream_error_sends_an_error_event_then_ends(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("streamError", afterTokens=3, message="boom"))
+    reply = await chat(http, url, body(stream=True))
+    assert reply.status == 200
+    assert reply.text == "one two three "
+    assert reply.events[-1] == {"error": {"message": "boom", "code": 502}}
+    assert not any(c["choices"][0]["finish_reason"] for c in reply.chunks)
+    record = await finished_record(http, url)
+    assert (record["outcome"], record["tokens_sent"]) == ("stream_error", 3)
+
+
+async def test_stream_error_reaches_the_openai_client_as_an_api_error(start_sim: StartSim) -> None:
+    url = await one_machine(start_sim, always("streamError", afterTokens=1, message="upstream died"))
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        stream = await client.chat.completions.create(model=MODEL, messages=USER, stream=True)
+        with pytest.raises(openai.APIError, match="upstream died"):
+            async for _ in stream:
+                pass
+
+
+async def test_stream_error_on_a_non_streamed_call_is_an_http_error(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("streamError", code=502))
+    reply = await chat(http, url, body())
+    assert reply.status == 502
+    assert reply.json()["error"]["code"] == 502
+
+
+# --- degraded answers -------------------------------------------------------------------
+
+
+async def test_empty_answers(start_sim: StartSim, http: aiohttp.ClientSession) -> None:
+    url = await one_machine(start_sim, always("empty"))
+    streamed = await chat(http, url, body(stream=True))
+    role, finish = streamed.chunks
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert finish["choices"][0]["delta"] == {"content": ""}
+    assert finish["choices"][0]["finish_reason"] == "stop"
+    assert streamed.events[-1] == "[DONE]"
+    plain = (await chat(http, url, body())).json()
+    assert plain["choices"][0]["message"]["content"] == ""
+    assert plain["usage"]["completion_tokens"] == 0
+
+
+async def test_empty_answers_still_wait_for_ttft(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("empty"), ttftSeconds=0.15)
+    for stream in (True, False):
+        started = time.perf_counter()
+        await chat(http, url, body(stream=stream))
+        assert time.perf_counter() - started >= 0.15 - EARLY
+
+
+async def test_mojibake_double_encodes_like_a_latin1_fallback(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("mojibake"), reply=NON_ASCII)
+    mangled = NON_ASCII.encode("utf-8").decode("latin-1")
+    streamed = await chat(http, url, body(stream=True))
+    # The em dash arrives as U+00E2 U+0080 U+0094, i.e. these bytes on the wire.
+    assert bytes.fromhex("c3a2c280c294") in streamed.raw
+    assert streamed.text == mangled
+    assert len(streamed.chunks) == 2 + len(NON_ASCII.split())
+    plain = await chat(http, url, body())
+    assert bytes.fromhex("c3a2c280c294") in plain.raw
+    assert plain.json()["choices"][0]["message"]["content"] == mangled
+
+
+async def test_replacement_characters_are_injected(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("replacementChar"), reply=NON_ASCII)
+    streamed = await chat(http, url, body(stream=True))
+    assert streamed.text == "a \ufffd caf\ufffd \ufffd\ufffd \ufffd z"
+    assert "\ufffd".encode() in streamed.raw
+
+
+async def test_replacement_characters_show_up_even_in_ascii_replies(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("replacementChar"))
+    content = (await chat(http, url, body())).json()["choices"][0]["message"]["content"]
+    assert content == "one\ufffd two three four five six"
+
+
+# --- transport shaping ------------------------------------------------------------------
+
+
+async def test_split_writes_split_multibyte_characters_across_network_reads(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    split = {"kind": "splitWrites", "always": True, "pauseSeconds": 0.02}
+    sim = await start_sim(scenario(machine("a", split), reply=NON_ASCII))
+    exchange = await raw_post(sim.port, body(stream=True))
+    assert exchange.status == 200
+    chunks = exchange.chunks()
+    # Each multi-byte character was cut after its lead byte: a write ends mid-character...
+    assert sum(1 for c in chunks if 0xC0 <= c[-1]) >= 5
+    # ...and so did real network reads, not just HTTP chunks.
+    assert exchange.read_boundaries_inside_characters() >= 3
+    # Reassembled, the bytes are exactly those of an unsplit answer.
+    events = b"".join(chunks).decode("utf-8")
+    assert "".join(e for e in events.split("\n\n")).count("data: ") == 2 + 6 + 1
+    reassembled = [
+        line for line in events.split("\n\n") if '"delta":{"content":"' in line
+    ]
+    assert "".join(line.split('"content":"')[1].split('"}')[0] for line in reassembled) == NON_ASCII
+    record = await finished_record(http, sim.url)
+    assert (record["split_writes"], record["fault"]) == (True, None)
+
+
+async def test_split_writes_with_a_fixed_piece_size(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    split = {"kind": "splitWrites", "always": True, "pieceBytes": 5, "pauseSeconds": 0}
+    sim = await start_sim(scenario(machine("a", split), reply=NON_ASCII))
+    exchange = await raw_post(sim.port, body(stream=True))
+    sizes = [len(c) for c in exchange.chunks()]
+    assert max(sizes) == 5
+    assert sizes.count(5) > len(sizes) // 2
+    unsplit = await chat(http, sim.url, body(stream=True))
+    assert unsplit.text == NON_ASCII
+
+
+async def test_split_writes_apply_to_non_streamed_bodies(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    split = {"kind": "splitWrites", "always": True, "pauseSeconds": 0.02}
+    sim = await start_sim(scenario(machine("a", split), reply=NON_ASCII))
+    exchange = await raw_post(sim.port, body())
+    assert "Content-Length" in exchange.head_and_body()[0]
+    assert exchange.read_boundaries_inside_characters() >= 3
+    reply = await chat(http, sim.url, body())
+    assert reply.json()["choices"][0]["message"]["content"] == NON_ASCII
+
+
+async def test_split_writes_combine_with_the_fault_that_fired(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    split = {"kind": "splitWrites", "always": True, "pauseSeconds": 0}
+    url = await one_machine(start_sim, split, always("mojibake"), reply=NON_ASCII)
+    reply = await chat(http, url, body(stream=True))
+    assert reply.text == NON_ASCII.encode().decode("latin-1")
+    record = await finished_record(http, url)
+    assert (record["fault"], record["split_writes"]) == ("mojibake", True)
+
+
+# --- triggers and determinism -----------------------------------------------------------
+
+
+async def test_the_first_fault_that_fires_applies(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(
+        start_sim,
+        {"kind": "rateLimit", "schedule": [2]},
+        always("serverError", status=500),
+        always("rateLimit"),
+    )
+    statuses = [(await chat(http, url, body())).status for _ in range(3)]
+    assert statuses == [500, 429, 500]
+
+
+async def test_a_schedule_fires_on_exactly_those_request_numbers(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, {"kind": "serverError", "schedule": [2, 4, 5]})
+    statuses = [(await chat(http, url, body())).status for _ in range(6)]
+    assert statuses == [200, 503, 200, 503, 503, 200]
+
+
+async def _fault_sequence(http: aiohttp.ClientSession, url: str, n: int) -> list[int]:
+    return [(await chat(http, url, body())).status for _ in range(n)]
+
+
+def _coin_flips(seed: int) -> dict[str, Any]:
+    flaky = [
+        {"kind": "rateLimit", "probability": 0.3},
+        {"kind": "serverError", "probability": 0.3},
+    ]
+    return scenario(machine("a", *flaky), seed=seed)
+
+
+async def test_the_same_seed_gives_the_same_fault_sequence(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    first = await start_sim(_coin_flips(seed=11))
+    second = await start_sim(_coin_flips(seed=11))
+    other = await start_sim(_coin_flips(seed=12))
+    sequence = await _fault_sequence(http, first.url, 30)
+    assert {200, 429, 503} <= set(sequence)
+    assert await _fault_sequence(http, second.url, 30) == sequence
+    assert await _fault_sequence(http, other.url, 30) != sequence
+    # A reset replays the sequence from request 1.
+    async with http.post(f"{first.url}/_sim/reset") as response:
+        assert response.status == 200
+    assert await _fault_sequence(http, first.url, 30) == sequence
+
+
+async def test_concurrency_does_not_change_which_request_gets_which_fault(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    serial = await start_sim(_coin_flips(seed=5))
+    concurrent = await start_sim(_coin_flips(seed=5))
+    expected = await _fault_sequence(http, serial.url, 20)
+    await asyncio.gather(*(chat(http, concurrent.url, body()) for _ in range(20)))
+    # Compare by each request's number on the machine, which is what faults key on.
+    recorded = sorted(
+        (r["machine_request"], r["status"]) for r in await records(http, concurrent.url)
+    )
+    assert [status for _, status in recorded] == expected
