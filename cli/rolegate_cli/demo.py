@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import random
 import statistics
 import sys
@@ -83,6 +84,9 @@ async def _start_proxy(sim: RunningSim, out: TextIO) -> RunningProxy:
         report = io.StringIO()
         config = load_standalone_config(Path(tmp), report)
     print(report.getvalue().replace(tmp + "/", "examples/manifests/"), file=out)
+    # The example ProviderPolicy names Secret sim-router/apiKey; outside a cluster the
+    # proxy reads it from this variable (docs/proxy.md, "API keys").
+    os.environ.setdefault("ROLEGATE_SECRET_SIM_ROUTER_APIKEY", "demo-key-not-secret")
     return await start_proxy(ProxySettings(host="127.0.0.1", port=0), config)
 
 
