@@ -56,8 +56,10 @@ def write_inputs(root: Path, sim_port: int) -> tuple[Path, Path]:
                         "machines": [{"name": "m1", "ttftSeconds": 0, "tokensPerSecond": 0}],
                     }
                 ],
-            }
-        )
+            },
+            ensure_ascii=False,
+        ),
+        encoding="utf-8",
     )
     manifests = root / "manifests"
     manifests.mkdir()

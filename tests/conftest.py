@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+
 from rolegate_proxy.server import RunningProxy
 from rolegate_proxy.server import start as start_proxy
 from rolegate_proxy.settings import ProxySettings

@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+
 from rolegate_policy.compile import compile_manifests
 from rolegate_policy.config import ProxyConfig
 from rolegate_policy.manifests import manifest_from_object

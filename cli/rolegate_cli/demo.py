@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import openai
+
 from rolegate_proxy.server import RunningProxy
 from rolegate_proxy.server import start as start_proxy
 from rolegate_proxy.settings import ProxySettings

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from rolegate_policy.config import ProxyConfig
 
 from .chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request

@@ -144,8 +144,8 @@ async def _stream_attempt(
         if "charset" not in upstream.headers.get("Content-Type", "").lower():
             # Noted, never failed: this header is why latin-1 fallbacks mangle text (A1).
             ctx.metrics.missing_charset.labels(attempt.provider.name).inc()
-        events = _events(upstream, ctx, attempt)
-        held, served = await _hold_until_content(events, attempt)
+        reads = _reads(upstream, ctx, attempt)
+        held, served = await _hold_until_content(reads, attempt)
         response = web.StreamResponse(
             headers={
                 **ctx.base_headers,
@@ -156,11 +156,7 @@ async def _stream_attempt(
             }
         )
         await response.prepare(request)
-        for raw_event in held:
-            await response.write(raw_event)
-        await _forward_rest(
-            response, events, held_done=bool(held) and held[-1] == b"data: [DONE]\n\n"
-        )
+        await _forward(response, held, reads)
         return response
     finally:
         # On success the body is fully read and this returns the connection to the pool;
@@ -172,23 +168,26 @@ async def _stream_attempt(
             upstream.close()
 
 
-async def _events(
+async def _reads(
     upstream: aiohttp.ClientResponse, ctx: RelayContext, attempt: Attempt
-) -> AsyncIterator[Event | Chunk]:
-    """Yield raw comment/done events and decoded JSON payloads; skip malformed events."""
+) -> AsyncIterator[list[Event | Chunk]]:
+    """Per network read, the complete events it finished: comment and [DONE] events as
+    they are, data events decoded. Malformed events are skipped and counted (SPEC E4)."""
     framer = EventFramer()
-    async for chunk in upstream.content.iter_any():
-        for event in framer.feed(chunk):
+    async for data in upstream.content.iter_any():
+        items: list[Event | Chunk] = []
+        for event in framer.feed(data):
             if event.is_comment or event.is_done:
-                yield event
+                items.append(event)
                 continue
             try:
                 payload = decode_event_json(event)
             except MalformedEvent:
-                # One malformed event is skipped and counted, not fatal (SPEC E4).
                 ctx.metrics.malformed_events.labels(attempt.provider.name).inc()
                 continue
-            yield Chunk(payload, event.raw)
+            items.append(Chunk(payload, event.raw))
+        if items:
+            yield items
 
 
 def _has_content(payload: dict[str, Any]) -> bool:
@@ -206,26 +205,33 @@ def _has_content(payload: dict[str, Any]) -> bool:
 
 
 async def _hold_until_content(
-    events: AsyncIterator[Event | Chunk], attempt: Attempt
-) -> tuple[list[bytes], Served]:
-    held: list[bytes] = []
+    reads: AsyncIterator[list[Event | Chunk]], attempt: Attempt
+) -> tuple[list[Event | Chunk], Served]:
+    """Everything up to and including the first content (or [DONE]), plus whatever else
+    arrived in the same read; raises UpstreamFailure if the attempt fails before that."""
+    held: list[Event | Chunk] = []
     served: Served | None = None
     try:
-        async for item in events:
-            if isinstance(item, Event):
-                if item.is_done:
-                    held.append(item.raw)
+        async for items in reads:
+            for index, item in enumerate(items):
+                if isinstance(item, Event):
+                    if item.is_done:
+                        held.extend(items[index:])
+                        break
+                    continue  # keep-alive comments before content mean nothing to a client
+                if _is_error(item.payload):
+                    raise UpstreamFailure(
+                        attempt, f"error event before any content: {_error_text(item.payload)}"
+                    )
+                if served is None:
+                    served = _served_from(item.payload, attempt)
+                if _has_content(item.payload):
+                    held.extend(items[index:])
                     break
-                continue  # keep-alive comments before content mean nothing to the client
-            if _is_error(item.payload):
-                raise UpstreamFailure(
-                    attempt, f"error event before any content: {_error_text(item.payload)}"
-                )
-            if served is None:
-                served = _served_from(item.payload, attempt)
-            held.append(item.raw)
-            if _has_content(item.payload):
-                break
+                held.append(item)
+            else:
+                continue
+            break
         else:
             raise UpstreamFailure(attempt, "the stream ended before any content or [DONE]")
     except TRANSPORT_ERRORS as exc:
@@ -235,36 +241,64 @@ async def _hold_until_content(
     return held, served
 
 
-async def _forward_rest(
-    response: web.StreamResponse,
-    events: AsyncIterator[Event | Chunk],
-    *,
-    held_done: bool,
-) -> None:
-    if held_done:
-        return
-    finished = False
-    problem: str | None = None
-    try:
-        async for item in events:
+class _Forwarding:
+    """What has been relayed so far: whether the answer finished and how it ended."""
+
+    __slots__ = ("done", "finished", "problem")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.finished = False
+        self.problem: str | None = None
+
+    def take(self, items: list[Event | Chunk]) -> bytes:
+        """The bytes to send for one read's events: one write per read, not per event,
+        so a burst of tokens costs one system call while each still leaves at once."""
+        out = bytearray()
+        for item in items:
             if isinstance(item, Event):
-                await response.write(item.raw)
+                out += item.raw
                 if item.is_done:
-                    return
+                    self.done = True
+                    break
                 continue
             if _is_error(item.payload):
-                problem = f"the upstream reported an error mid-stream: {_error_text(item.payload)}"
+                self.problem = (
+                    f"the upstream reported an error mid-stream: {_error_text(item.payload)}"
+                )
                 break
-            finished = finished or _has_finish_reason(item.payload)
-            await response.write(item.raw)
+            self.finished = self.finished or _has_finish_reason(item.payload)
+            out += item.raw
+        return bytes(out)
+
+    @property
+    def over(self) -> bool:
+        return self.done or self.problem is not None
+
+
+async def _forward(
+    response: web.StreamResponse,
+    held: list[Event | Chunk],
+    reads: AsyncIterator[list[Event | Chunk]],
+) -> None:
+    state = _Forwarding()
+    await response.write(state.take(held))
+    try:
+        async for items in reads:
+            if state.over:
+                break
+            data = state.take(items)
+            if data:
+                await response.write(data)
     except TRANSPORT_ERRORS as exc:
-        problem = f"the upstream stream broke: {describe_client_error(exc)}"
-    if problem is None:
-        problem = (
-            "the upstream stream ended without its terminating [DONE] event"
-            if finished
-            else "the upstream stream was cut before the answer finished"
-        )
+        state.problem = f"the upstream stream broke: {describe_client_error(exc)}"
+    if state.done:
+        return
+    problem = state.problem or (
+        "the upstream stream ended without its terminating [DONE] event"
+        if state.finished
+        else "the upstream stream was cut before the answer finished"
+    )
     # Never a truncated answer presented as complete (SPEC E4): end with an error event.
     await response.write(
         encode_event(

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
 from rolegate_policy.config import CompiledRole
 
 from .credentials import KeyStore

@@ -121,6 +121,10 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
         # server is stopping. Record it, and let the cancellation propagate.
         record.finish(Outcome.SERVER_STOPPED if state.stopping else Outcome.CLIENT_DISCONNECTED)
         raise
+    except web.HTTPException as exc:  # e.g. 413 from aiohttp's body size limit
+        record.status = exc.status
+        record.finish(Outcome.ERROR_STATUS)
+        raise
     except Exception:
         record.status = 500
         record.finish(Outcome.ERROR_STATUS)

@@ -61,10 +61,14 @@ async def list_requests(request: web.Request) -> web.Response:
 
 
 async def reset(request: web.Request) -> web.Response:
-    """Forget records, zero the counters and restore the scenario's faults: the state of a
-    freshly started simulator, so the same requests replay the same fault sequence."""
-    request.app[SIM_STATE].reset()
-    return _json({"reset": True})
+    """Forget records and zero the per-machine counters (the RNGs are keyed on them, so
+    this reseeds too). Faults set at runtime stay, unless `?faults=restore` asks for the
+    scenario's own faults back: the state of a freshly started simulator."""
+    faults = request.query.get("faults", "keep")
+    if faults not in ("keep", "restore"):
+        return _problem(400, f"`faults` must be `keep` or `restore`, got {faults!r}")
+    request.app[SIM_STATE].reset(restore_faults=faults == "restore")
+    return _json({"reset": True, "faults": faults})
 
 
 def _machine(request: web.Request) -> MachineState | web.Response:

@@ -116,7 +116,7 @@ class ModelState:
 
 
 class SimState:
-    """The state behind one app; `reset()` returns it to exactly the just-started state."""
+    """The state behind one app."""
 
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
@@ -127,14 +127,22 @@ class SimState:
         self.models: dict[str, ModelState] = {}
         self.records: deque[RequestRecord] = deque(maxlen=scenario.record_limit)
         self._seq = itertools.count(1)
-        self.reset()
+        self.reset(restore_faults=True)
 
-    def reset(self) -> None:
-        # Fresh objects rather than clearing in place: requests still in flight finish
-        # into their old record and machine objects without touching the new run.
-        self.models = {m.name: ModelState(m) for m in self.scenario.models}
+    def reset(self, *, restore_faults: bool = False) -> None:
+        """Forget the records and zero every machine's request counter, so the same
+        requests replay the same fault sequence. Runtime faults stay unless
+        `restore_faults`, which returns to exactly the just-started state."""
+        # A fresh deque rather than clear(): requests still in flight finish into their
+        # old records without showing up in the new run.
         self.records = deque(maxlen=self.scenario.record_limit)
         self._seq = itertools.count(1)
+        if restore_faults:
+            self.models = {m.name: ModelState(m) for m in self.scenario.models}
+            return
+        for model in self.models.values():
+            for machine in model.machines.values():
+                machine.requests = 0
 
     def open_record(self) -> RequestRecord:
         record = RequestRecord(seq=next(self._seq), started_at=time.time())

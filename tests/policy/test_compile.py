@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import pytest
+
 from rolegate_policy.compile import compile_directory, compile_manifests
 from rolegate_policy.config import ProxyConfig, Ruling, Visibility
 from rolegate_policy.manifests import Manifest, ManifestError, manifest_from_object

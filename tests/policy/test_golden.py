@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from rolegate_policy.compile import run_compile
 from rolegate_policy.config import ProxyConfig
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from rolegate_policy.manifests import load_manifest_dir
 from rolegate_policy.verdicts import Reason
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from rolegate_proxy.sse import EventFramer, MalformedEvent, decode_event_json
 
 TEXT = "em dash — café naïve 日本語のテキスト 🚀 done"

@@ -7,6 +7,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+
 from rolegate_sim.scenario import parse_scenario
 from rolegate_sim.server import RunningSim, start
 

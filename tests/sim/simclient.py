@@ -4,23 +4,35 @@ exchange over a plain socket for the tests that care about individual network re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+from openai.types.chat import ChatCompletionMessageParam
 
 MODEL = "vendor/model-a"
 REPLY = "one two three four five six"  # six tokens
-USER = [{"role": "user", "content": "hello there"}]
+USER: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
 
 
 def machine(name: str, *faults: dict[str, Any], **settings: Any) -> dict[str, Any]:
-    return {"name": name, "ttftSeconds": 0, "tokensPerSecond": 0, **settings, "faults": list(faults)}
+    return {
+        "name": name,
+        "ttftSeconds": 0,
+        "tokensPerSecond": 0,
+        **settings,
+        "faults": list(faults),
+    }
 
 
 def scenario(*machines: dict[str, Any], reply: str = REPLY, **top: Any) -> dict[str, Any]:
-    return {"seed": 7, **top, "models": [{"name": MODEL, "reply": reply, "machines": list(machines)}]}
+    return {
+        "seed": 7,
+        **top,
+        "models": [{"name": MODEL, "reply": reply, "machines": list(machines)}],
+    }
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -154,7 +166,7 @@ class RawExchange:
         return count
 
 
-async def raw_post(port: int, payload: dict[str, Any], timeout: float = 5.0) -> RawExchange:
+async def raw_post(port: int, payload: dict[str, Any]) -> RawExchange:
     """POST over a bare socket with `Connection: close`, keeping every read separately."""
     data = json.dumps(payload).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -165,7 +177,7 @@ async def raw_post(port: int, payload: dict[str, Any], timeout: float = 5.0) -> 
             b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data)
         )
         await writer.drain()
-        async with asyncio.timeout(timeout):
+        async with asyncio.timeout(5):
             while True:
                 try:
                     read = await reader.read(65536)
@@ -177,8 +189,6 @@ async def raw_post(port: int, payload: dict[str, Any], timeout: float = 5.0) -> 
                 exchange.reads.append(read)
     finally:
         writer.close()
-        try:
+        with contextlib.suppress(ConnectionError):
             await writer.wait_closed()
-        except ConnectionError:
-            pass
     return exchange

@@ -26,7 +26,9 @@ async def _put_faults(
 async def test_records_describe_each_request_in_arrival_order_without_any_text(
     start_sim: StartSim, http: aiohttp.ClientSession
 ) -> None:
-    sim = await start_sim(scenario(machine("a"), machine("b", {"kind": "rateLimit", "always": True})))
+    sim = await start_sim(
+        scenario(machine("a"), machine("b", {"kind": "rateLimit", "always": True}))
+    )
     secret_prompt = [{"role": "user", "content": "the secret prompt"}]
     await chat(http, sim.url, body(messages=secret_prompt, stream=True))
     await chat(http, sim.url, body(messages=secret_prompt, provider={"only": ["b"]}))
@@ -39,7 +41,11 @@ async def test_records_describe_each_request_in_arrival_order_without_any_text(
     assert first["started_at"] <= first["ended_at"] <= time.time()
     assert abs(first["started_at"] - time.time()) < 60
     assert first["machine_request"] == 1
-    assert (second["machine"], second["fault"], second["outcome"]) == ("b", "rateLimit", "error_status")
+    assert (second["machine"], second["fault"], second["outcome"]) == (
+        "b",
+        "rateLimit",
+        "error_status",
+    )
     assert second["provider"]["only"] == ["b"]
     dumped = json.dumps([first, second])
     assert "secret" not in dumped
@@ -146,7 +152,14 @@ async def test_faults_can_be_replaced_at_runtime(
         http, sim.url, "a", [{"kind": "rateLimit", "always": True, "retryAfterSeconds": 2}]
     )
     assert status == 200
-    assert applied == [{"kind": "rateLimit", "always": True, "retryAfterSeconds": 2, "message": applied[0]["message"]}]
+    assert applied == [
+        {
+            "kind": "rateLimit",
+            "always": True,
+            "retryAfterSeconds": 2,
+            "message": applied[0]["message"],
+        }
+    ]
     reply = await chat(http, sim.url, body())
     assert (reply.status, reply.headers["Retry-After"]) == (429, "2")
     async with http.get(FAULTS_URL.format(url=sim.url, machine="a")) as response:
@@ -157,7 +170,10 @@ async def test_faults_can_be_replaced_at_runtime(
     # An empty list clears them.
     assert (await _put_faults(http, sim.url, "a", []))[0] == 200
     reply = await chat(http, sim.url, body())
-    assert (reply.json()["provider"], reply.json()["choices"][0]["message"]["content"]) == ("a", REPLY)
+    assert (reply.json()["provider"], reply.json()["choices"][0]["message"]["content"]) == (
+        "a",
+        REPLY,
+    )
 
 
 async def test_bad_runtime_faults_are_400_with_the_field_and_leave_faults_unchanged(

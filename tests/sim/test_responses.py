@@ -8,6 +8,7 @@ import time
 import aiohttp
 import openai
 import pytest
+
 from rolegate_sim.scenario import DEFAULT_REPLY
 
 from .conftest import StartSim
@@ -211,9 +212,7 @@ async def test_jitter_varies_ttft_within_its_bounds(
 async def test_a_capable_machine_continues_a_partial_assistant_message(
     start_sim: StartSim, http: aiohttp.ClientSession
 ) -> None:
-    sim = await start_sim(
-        scenario(machine("cont", continuesPartialMessage=True), machine("plain"))
-    )
+    sim = await start_sim(scenario(machine("cont", continuesPartialMessage=True), machine("plain")))
     prefill = [*USER, {"role": "assistant", "content": "one two thr"}]
     continued = await chat(
         http, sim.url, body(stream=True, messages=prefill, provider={"order": ["cont"]})

@@ -6,6 +6,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+
 from rolegate_sim.routing import ProviderPreferences, preference_list
 
 from .conftest import StartSim
@@ -98,7 +99,11 @@ async def test_only_and_ignore_can_leave_nothing(
     start_sim: StartSim, http: aiohttp.ClientSession
 ) -> None:
     sim = await start_sim(THREE)
-    for provider in ({"only": ["zzz"]}, {"ignore": ["a", "b", "c"]}, {"only": ["a"], "ignore": ["a"]}):
+    for provider in (
+        {"only": ["zzz"]},
+        {"ignore": ["a", "b", "c"]},
+        {"only": ["a"], "ignore": ["a"]},
+    ):
         reply = await chat(http, sim.url, body(provider=provider))
         assert reply.status == 404, provider
         assert "No endpoints found" in reply.json()["error"]["message"]
@@ -117,7 +122,9 @@ async def test_all_machines_down_is_no_endpoint(
 async def test_a_scheduled_down_counts_requests_per_machine(
     start_sim: StartSim, http: aiohttp.ClientSession
 ) -> None:
-    sim = await start_sim(scenario(machine("a", {"kind": "down", "schedule": [1, 3]}), machine("b")))
+    sim = await start_sim(
+        scenario(machine("a", {"kind": "down", "schedule": [1, 3]}), machine("b"))
+    )
     served = [(await chat(http, sim.url, body())).json()["provider"] for _ in range(4)]
     assert served == ["b", "a", "b", "a"]
 

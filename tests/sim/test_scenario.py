@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from rolegate_sim.scenario import (
     DEFAULT_REPLY,
     FAULT_KINDS,
@@ -64,14 +65,19 @@ def test_camel_case_aliases_and_snake_case_names_are_both_accepted() -> None:
 
 
 def test_fault_parameters_and_defaults() -> None:
-    faults = parse_scenario(
-        _one_machine(
-            faults=[
-                {"kind": "rateLimit", "probability": 0.5, "retryAfterSeconds": 3},
-                {"kind": "splitWrites", "always": True},
-            ]
+    faults = (
+        parse_scenario(
+            _one_machine(
+                faults=[
+                    {"kind": "rateLimit", "probability": 0.5, "retryAfterSeconds": 3},
+                    {"kind": "splitWrites", "always": True},
+                ]
+            )
         )
-    ).models[0].machines[0].faults
+        .models[0]
+        .machines[0]
+        .faults
+    )
     limit, split = faults
     assert isinstance(limit, RateLimitFault)
     assert limit.retry_after_seconds == 3

@@ -9,6 +9,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
 from rolegate_sim.scenario import ScenarioError
 from rolegate_sim.server import serve
 
@@ -47,7 +48,7 @@ def test_serve_prints_one_line_serves_and_stops_on_a_signal(sig: signal.Signals)
 def test_serve_raises_scenario_error_for_a_bad_file(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("models: []\n")
-    with pytest.raises(ScenarioError, match="bad.yaml"):
+    with pytest.raises(ScenarioError, match=r"bad\.yaml"):
         serve(path, "127.0.0.1", 0)
 
 

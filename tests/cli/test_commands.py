@@ -1,0 +1,164 @@
+"""The `rolegate` command as a user runs it: real processes, real ports, real clients."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+CLI = [sys.executable, "-m", "rolegate_cli.main"]
+
+
+def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_until_up(url: str, process: subprocess.Popen[str], within: float = 20) -> None:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"{url}: process exited with {process.returncode}")
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{url} did not answer within {within}s")
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=10)
+        for stream in (process.stdout, process.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_compile_prints_the_configuration_and_the_rulings() -> None:
+    result = run("compile", str(EXAMPLES / "manifests"))
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["config"]["hash"].startswith("sha256:")
+    assert "reflex → Only" in result.stderr
+
+
+def test_compile_with_one_invalid_resource_names_file_resource_and_field(tmp_path: Path) -> None:
+    for path in (EXAMPLES / "manifests").glob("*.yaml"):
+        (tmp_path / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    (tmp_path / "broken.yaml").write_text(
+        "apiVersion: rolegate.dev/v1alpha1\nkind: RoleTable\nmetadata: {name: broken}\n"
+        "spec:\n  roles:\n    - {name: oops, models: [qwen/qwen3-coder], patienceSeconds: -1,"
+        " visibility: Watched}\n",
+        encoding="utf-8",
+    )
+    result = run("compile", str(tmp_path))
+    assert result.returncode == 1
+    assert "broken.yaml" in result.stderr
+    assert "RoleTable broken" in result.stderr
+    assert "spec.roles[0].patienceSeconds" in result.stderr
+    # The valid resources still compiled.
+    roles = [role["name"] for role in json.loads(result.stdout)["config"]["roles"]]
+    assert roles == ["agent", "batch", "reflex"]
+
+
+def test_operator_says_it_is_not_there_yet() -> None:
+    result = run("operator")
+    assert result.returncode == 2
+    assert "not available yet" in result.stderr
+
+
+def test_proxy_refuses_to_start_with_nothing_to_serve(tmp_path: Path) -> None:
+    result = run("proxy", "--manifests", str(tmp_path), "--port", str(free_port()))
+    assert result.returncode == 2
+    assert "no role was accepted" in result.stderr
+
+
+def test_sim_rejects_a_bad_scenario_naming_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "seed: 1\nmodels:\n  - name: m\n    machines:\n      - {name: a, tokensPerSecond: fast}\n"
+    )
+    result = run("sim", "--scenario", str(bad), "--port", str(free_port()))
+    assert result.returncode == 2
+    assert "tokensPerSecond" in result.stderr
+
+
+def test_sim_and_proxy_processes_serve_the_openai_client_and_stop_on_sigterm(
+    tmp_path: Path, processes: list[subprocess.Popen[str]]
+) -> None:
+    sim_port, proxy_port = free_port(), free_port()
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    for path in (EXAMPLES / "manifests").glob("*.yaml"):
+        text = path.read_text(encoding="utf-8").replace(
+            "http://127.0.0.1:8089/v1", f"http://127.0.0.1:{sim_port}/v1"
+        )
+        (manifests / path.name).write_text(text, encoding="utf-8")
+    env = {**os.environ, "ROLEGATE_SECRET_SIM_ROUTER_APIKEY": "test-key"}
+    sim = subprocess.Popen(
+        [*CLI, "sim", "--scenario", str(EXAMPLES / "scenario.yaml"), "--port", str(sim_port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    processes.append(sim)
+    proxy = subprocess.Popen(
+        [*CLI, "proxy", "--manifests", str(manifests), "--port", str(proxy_port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    processes.append(proxy)
+    wait_until_up(f"http://127.0.0.1:{sim_port}/healthz", sim)
+    wait_until_up(f"http://127.0.0.1:{proxy_port}/readyz", proxy)
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{proxy_port}/v1", api_key="x", max_retries=2)
+    with client:
+        completion = client.chat.completions.create(
+            model="batch", messages=[{"role": "user", "content": "hello"}]
+        )
+    assert completion.model == "deepseek/deepseek-v3"
+    assert completion.choices[0].message.content
+
+    proxy.send_signal(signal.SIGTERM)
+    assert proxy.wait(timeout=30) == 0
+    _, stderr = proxy.communicate(timeout=5)
+    assert "listening on" in stderr
+    assert "hello" not in stderr  # never a prompt in the log
+
+
+def test_demo_runs_end_to_end() -> None:
+    result = run("demo", "--requests", "16", timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "per role" in result.stdout
+    for role in ("agent", "reflex", "batch"):
+        assert f"\n{role} " in result.stdout
