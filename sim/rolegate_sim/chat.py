@@ -121,6 +121,11 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
         # server is stopping. Record it, and let the cancellation propagate.
         record.finish(Outcome.SERVER_STOPPED if state.stopping else Outcome.CLIENT_DISCONNECTED)
         raise
+    except ConnectionError:
+        # Lost while reading the body: no response can be sent, and the cancellation
+        # from the lost connection is on its way.
+        record.finish(Outcome.CLIENT_DISCONNECTED)
+        await await_cancellation()
     except web.HTTPException as exc:  # e.g. 413 from aiohttp's body size limit
         record.status = exc.status
         record.finish(Outcome.ERROR_STATUS)
@@ -192,9 +197,8 @@ async def _serve(
             request, state, record, 429, fault.message, "rate_limit_error", split, headers
         )
     if isinstance(fault, ServerErrorFault):
-        return await _error(
-            request, state, record, fault.status, fault.message, "server_error", split
-        )
+        kind = "server_error" if fault.status >= 500 else "invalid_request_error"
+        return await _error(request, state, record, fault.status, fault.message, kind, split)
     if isinstance(fault, ResetFault):
         record.finish(Outcome.RESET)
         reset_connection(request)
@@ -285,7 +289,8 @@ async def _error(
         response = await send_body(
             request,
             status=status,
-            body=error_body(status, message, error_type),
+            # A machine's own error names it, as every answer does; routing errors do not.
+            body=error_body(status, message, error_type, provider=record.machine),
             content_type=state.json_content_type,
             split=split,
             headers=headers,

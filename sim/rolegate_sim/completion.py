@@ -38,6 +38,9 @@ from rolegate_sim.stream import (
 )
 from rolegate_sim.text import encode_json_string
 
+# Upper bound on events coalesced into one write when a machine produces them instantly.
+_MAX_BATCH_BYTES = 32 * 1024
+
 
 @dataclass(slots=True)
 class Plan:
@@ -112,18 +115,24 @@ async def send_stream(
                 pacer.delay(fault.seconds)
             wait = pacer.next_due() - loop.time()
             if wait > 0:
+                await writer.flush()
+                record.tokens_sent = i
                 await asyncio.sleep(wait)
-            await writer.send(encoder.content(token_json[i]))
-            record.tokens_sent = i + 1
+            writer.add(encoder.content(token_json[i]))
+            if writer.pending_bytes >= _MAX_BATCH_BYTES:
+                await writer.flush()
+                record.tokens_sent = i + 1
+        await writer.flush()
+        record.tokens_sent = stop
 
         if isinstance(fault, CutFault):
             record.finish(Outcome.CUT)
             close_connection(request)
             await await_cancellation()
         if isinstance(fault, StreamErrorFault):
-            await writer.send(error_event(fault.message, fault.code))
+            writer.add(error_event(fault.message, fault.code))
+            await writer.finish()
             record.finish(Outcome.STREAM_ERROR)
-            await response.write_eof()
             return response
 
         if stall_at is not None and stall_at == stop:
@@ -134,13 +143,12 @@ async def send_stream(
             wait = pacer.next_due() - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
-        is_empty = isinstance(fault, EmptyFault)
-        await writer.send(encoder.finish(plan.finish_reason, empty_content=is_empty))
+        writer.add(encoder.finish(plan.finish_reason, empty_content=isinstance(fault, EmptyFault)))
         if plan.include_usage:
-            await writer.send(encoder.usage(plan.usage(record.tokens_sent)))
+            writer.add(encoder.usage(plan.usage(record.tokens_sent)))
         if not isinstance(fault, NoDoneFault):
-            await writer.send(DONE_EVENT)
-        await response.write_eof()
+            writer.add(DONE_EVENT)
+        await writer.finish()
     except ConnectionError:
         record.finish(Outcome.CLIENT_DISCONNECTED)
         return response
@@ -182,7 +190,7 @@ async def send_completion(
         if isinstance(fault, StreamErrorFault):
             status = fault.code if 400 <= fault.code <= 599 else 502
             record.status = status
-            body = error_body(status, fault.message, "server_error")
+            body = error_body(status, fault.message, "server_error", provider=plan.provider[0])
             response = await send_body(
                 request, status=status, body=body, content_type=plan.content_type, split=plan.split
             )

@@ -308,7 +308,7 @@ def parse_faults(data: Any, *, source: str) -> tuple[Fault, ...]:
 
 def dump_faults(faults: Iterable[Fault]) -> list[dict[str, Any]]:
     """Faults as they would be written in a scenario file (camelCase, defaults omitted)."""
-    return [f.model_dump(mode="json", by_alias=True, exclude_none=True) for f in faults]
+    return [f.model_dump(mode="json", by_alias=True, exclude_defaults=True) for f in faults]
 
 
 def _describe(exc: ValidationError, source: str, what: str, prefix: tuple[str | int, ...]) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import logging
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -11,7 +12,16 @@ import pytest
 from rolegate_sim.scenario import parse_scenario
 from rolegate_sim.server import RunningSim, start
 
-StartSim = Callable[[dict[str, Any]], Awaitable[RunningSim]]
+from .simclient import StartSim
+
+
+@pytest.fixture(autouse=True)
+def no_server_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """A handler that raises becomes a logged 500 a client might not notice: fail on it."""
+    caplog.set_level(logging.WARNING, logger="aiohttp")
+    yield
+    errors = [r for r in caplog.get_records("call") if r.name.startswith("aiohttp")]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 @pytest.fixture

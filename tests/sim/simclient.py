@@ -6,11 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from openai.types.chat import ChatCompletionMessageParam
+
+from rolegate_sim.server import RunningSim
+
+# The `start_sim` fixture: start a simulator for this scenario dict, stopped after the test.
+StartSim = Callable[[dict[str, Any]], Awaitable[RunningSim]]
 
 MODEL = "vendor/model-a"
 REPLY = "one two three four five six"  # six tokens

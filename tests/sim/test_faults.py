@@ -11,11 +11,11 @@ import aiohttp
 import openai
 import pytest
 
-from .conftest import StartSim
 from .simclient import (
     MODEL,
     REPLY,
     USER,
+    StartSim,
     body,
     chat,
     finished_record,
@@ -52,6 +52,7 @@ async def test_rate_limit_is_a_429_with_retry_after(
     assert reply.status == 429
     assert reply.headers["Retry-After"] == "4"
     assert reply.headers["Content-Type"] == "application/json"
+    assert reply.json()["provider"] == "a"  # the machine that refused is named
     error = reply.json()["error"]
     assert error["type"] == "rate_limit_error"
     assert error["code"] == 429

@@ -11,8 +11,7 @@ import pytest
 
 from rolegate_sim.scenario import DEFAULT_REPLY
 
-from .conftest import StartSim
-from .simclient import MODEL, REPLY, USER, body, chat, machine, records, scenario
+from .simclient import MODEL, REPLY, USER, StartSim, body, chat, machine, records, scenario
 
 
 async def test_a_stream_has_role_then_one_chunk_per_token_then_finish_then_done(

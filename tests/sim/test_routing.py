@@ -9,8 +9,7 @@ import pytest
 
 from rolegate_sim.routing import ProviderPreferences, preference_list
 
-from .conftest import StartSim
-from .simclient import MODEL, body, chat, machine, records, scenario
+from .simclient import MODEL, StartSim, body, chat, machine, records, scenario
 
 DOWN = {"kind": "down", "always": True}
 THREE = scenario(machine("a"), machine("b"), machine("c"))
@@ -71,6 +70,7 @@ async def test_without_fallbacks_a_down_machine_means_no_endpoint(
         f"No endpoints found for {MODEL} matching your provider preferences"
     )
     assert error["code"] == 404
+    assert "provider" not in reply.json()  # no machine served
     (record,) = await records(http, sim.url)
     assert record["machine"] is None
     assert record["outcome"] == "error_status"
