@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -15,6 +16,15 @@ from rolegate_sim.server import RunningSim
 from rolegate_sim.server import start as start_sim
 
 from .support import ProxyFactory, SimFactory, compile_objects
+
+
+@pytest.fixture(autouse=True)
+def no_server_errors(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """A handler that raises becomes a logged 500 a client might not notice: fail on it."""
+    caplog.set_level(logging.WARNING, logger="aiohttp")
+    yield
+    errors = [r for r in caplog.get_records("call") if r.name.startswith("aiohttp")]
+    assert not errors, [r.getMessage() for r in errors]
 
 
 @pytest.fixture
