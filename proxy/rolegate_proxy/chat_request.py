@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from rolegate_policy.config import CompiledRole, ProxyConfig
 
@@ -25,16 +26,16 @@ class ChatRequest:
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise bad_request(
-            f"Request body is not UTF-8 (invalid byte at position {exc.start}); "
-            "encode the JSON body as UTF-8.",
-            code="invalid_encoding",
-        ) from None
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError as exc:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise bad_request(
+                f"Request body is not UTF-8 (invalid byte at position {bad.start}); "
+                "encode the JSON body as UTF-8.",
+                code="invalid_encoding",
+            ) from None
         raise bad_request(
             f"Request body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
             "send a JSON object with `model` and `messages`.",

@@ -71,4 +71,11 @@ def serve(settings: ProxySettings, config: ProxyConfig) -> None:
         await stop.wait()
         await running.stop()
 
-    asyncio.run(main())
+    # uvloop's event loop trims the proxy's own share of each request (bench/overhead.py);
+    # the standard loop remains the fallback where uvloop is not installed.
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())

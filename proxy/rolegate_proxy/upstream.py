@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 
 from rolegate_policy.config import CompiledRole
 
@@ -42,7 +43,8 @@ def upstream_body(body: dict[str, Any], attempt: Attempt) -> bytes:
         out["provider"] = attempt.provider_routing
     else:
         out.pop("provider", None)
-    return json.dumps(out, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    # orjson writes non-ASCII as UTF-8, never as \u escapes: the prompt goes out as it came.
+    return orjson.dumps(out)
 
 
 def upstream_headers(attempt: Attempt, keys: KeyStore, stream: bool) -> dict[str, str]:
