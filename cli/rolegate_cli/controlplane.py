@@ -1,0 +1,276 @@
+"""A real Kubernetes control plane on loopback: etcd plus kube-apiserver, no mocks.
+
+Used by the test suite (a session fixture) and by `rolegate dev-cluster` for a person to
+`kubectl` against. The binaries are built from Go modules once per machine by
+`hack/build-control-plane.sh` and cached under `$HOME/.cache/rolegate`. There is no
+controller-manager, scheduler or kubelet: objects are stored and validated, Pods never
+run, namespaces deleted stay Terminating, and nothing creates default ServiceAccounts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUILD_SCRIPT = REPO_ROOT / "hack" / "build-control-plane.sh"
+
+
+class ControlPlaneError(RuntimeError):
+    pass
+
+
+def ensure_binaries() -> Path:
+    """The directory holding kube-apiserver, etcd, kubectl and helm, building them if needed."""
+    result = subprocess.run(
+        ["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        raise ControlPlaneError(
+            f"building the control plane failed (exit {result.returncode}); "
+            f"output:\n{result.stderr[-4000:]}"
+        )
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _write_service_account_key(path: Path) -> None:
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    )
+
+
+@dataclass
+class ControlPlane:
+    bin_dir: Path
+    root: Path
+    etcd_port: int = field(default_factory=free_port)
+    etcd_peer_port: int = field(default_factory=free_port)
+    api_port: int = field(default_factory=free_port)
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    etcd: subprocess.Popen[bytes] | None = None
+    apiserver: subprocess.Popen[bytes] | None = None
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.api_port}"
+
+    @property
+    def pki(self) -> Path:
+        return self.root / "pki"
+
+    @property
+    def ca_file(self) -> Path:
+        # With no --tls-cert-file the apiserver writes its self-signed serving cert here,
+        # followed by the CA that signed it: usable as the kubeconfig's authority.
+        return self.pki / "apiserver.crt"
+
+    @property
+    def kubeconfig(self) -> Path:
+        return self.root / "kubeconfig"
+
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            "KUBECONFIG": str(self.kubeconfig),
+            "PATH": f"{self.bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        }
+
+    def start(self) -> ControlPlane:
+        self.pki.mkdir(parents=True, exist_ok=True)
+        (self.pki / "tokens.csv").write_text(f"{self.token},admin,admin-uid,system:masters\n")
+        _write_service_account_key(self.pki / "sa.key")
+        self._start_etcd()
+        self.start_apiserver()
+        self._write_kubeconfig()
+        return self
+
+    def _start_etcd(self) -> None:
+        log = (self.root / "etcd.log").open("wb")
+        self.etcd = subprocess.Popen(
+            [
+                str(self.bin_dir / "etcd"),
+                "--data-dir", str(self.root / "etcd"),
+                "--listen-client-urls", f"http://127.0.0.1:{self.etcd_port}",
+                "--advertise-client-urls", f"http://127.0.0.1:{self.etcd_port}",
+                "--listen-peer-urls", f"http://127.0.0.1:{self.etcd_peer_port}",
+                "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.etcd_peer_port}",
+                "--initial-cluster", f"default=http://127.0.0.1:{self.etcd_peer_port}",
+                "--unsafe-no-fsync",
+                "--log-level", "warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        log.close()
+
+    def start_apiserver(self) -> None:
+        log = (self.root / "apiserver.log").open("ab")
+        self.apiserver = subprocess.Popen(
+            [
+                str(self.bin_dir / "kube-apiserver"),
+                f"--etcd-servers=http://127.0.0.1:{self.etcd_port}",
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                f"--secure-port={self.api_port}",
+                f"--cert-dir={self.pki}",
+                f"--token-auth-file={self.pki / 'tokens.csv'}",
+                "--authorization-mode=RBAC",
+                f"--service-account-issuer=https://127.0.0.1:{self.api_port}",
+                f"--service-account-key-file={self.pki / 'sa.key'}",
+                f"--service-account-signing-key-file={self.pki / 'sa.key'}",
+                "--service-cluster-ip-range=10.0.0.0/24",
+                "--disable-admission-plugins=ServiceAccount",
+                "--allow-privileged=true",
+                "-v=0",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self._wait_ready()
+
+    def stop_apiserver(self) -> None:
+        if self.apiserver is not None and self.apiserver.poll() is None:
+            self.apiserver.terminate()
+            try:
+                self.apiserver.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.apiserver.kill()
+                self.apiserver.wait()
+        self.apiserver = None
+
+    def _wait_ready(self, within: float = 60.0) -> None:
+        context = ssl.create_default_context()
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE  # the CA file appears only once it serves
+        request = urllib.request.Request(
+            f"{self.server}/readyz", headers={"Authorization": f"Bearer {self.token}"}
+        )
+        deadline = time.monotonic() + within
+        last = "no answer"
+        while time.monotonic() < deadline:
+            if self.apiserver is not None and self.apiserver.poll() is not None:
+                raise ControlPlaneError(
+                    f"kube-apiserver exited with {self.apiserver.returncode}; see "
+                    f"{self.root / 'apiserver.log'}:\n{self._tail('apiserver.log')}"
+                )
+            try:
+                with urllib.request.urlopen(request, timeout=2, context=context) as response:
+                    if response.status == 200:
+                        return
+            except urllib.error.HTTPError as error:  # early polls answer 403 or 500
+                last = f"HTTP {error.code}"
+            except OSError as error:
+                last = str(error)
+            time.sleep(0.2)
+        raise ControlPlaneError(
+            f"kube-apiserver not ready within {within}s ({last}):\n{self._tail('apiserver.log')}"
+        )
+
+    def _tail(self, name: str) -> str:
+        with contextlib.suppress(OSError):
+            return (self.root / name).read_text(errors="replace")[-3000:]
+        return ""
+
+    def _write_kubeconfig(self) -> None:
+        self.kubeconfig.write_text(
+            f"""apiVersion: v1
+kind: Config
+clusters:
+- name: rolegate-dev
+  cluster:
+    server: {self.server}
+    certificate-authority: {self.ca_file}
+users:
+- name: admin
+  user:
+    token: {self.token}
+contexts:
+- name: rolegate-dev
+  context: {{cluster: rolegate-dev, user: admin}}
+current-context: rolegate-dev
+"""
+        )
+
+    def kubectl(
+        self, *args: str, input: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [str(self.bin_dir / "kubectl"), *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            env=self.env(),
+            timeout=60,
+            check=False,
+        )
+        if check and result.returncode != 0:
+            raise ControlPlaneError(
+                f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr}"
+            )
+        return result
+
+    def stop(self) -> None:
+        self.stop_apiserver()
+        if self.etcd is not None and self.etcd.poll() is None:
+            self.etcd.terminate()
+            try:
+                self.etcd.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.etcd.kill()
+                self.etcd.wait()
+
+
+def scratch_dir() -> Path:
+    """A temporary directory on tmpfs when there is one: etcd is much faster there."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return Path(tempfile.mkdtemp(prefix="rolegate-cp-", dir=base))
+
+
+def run_dev_cluster() -> int:
+    """`rolegate dev-cluster`: start a control plane and keep it until Ctrl-C."""
+    bin_dir = ensure_binaries()
+    root = scratch_dir()
+    plane = ControlPlane(bin_dir=bin_dir, root=root).start()
+    print(
+        f"control plane ready at {plane.server}\n"
+        f"  export KUBECONFIG={plane.kubeconfig}\n"
+        f"  export PATH={bin_dir}:$PATH   # kubectl and helm of the same version\n"
+        "Ctrl-C stops it and deletes its data.",
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        plane.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return 0

@@ -1,0 +1,34 @@
+"""The real control plane for Kubernetes tests: etcd + kube-apiserver, started once per run.
+
+Never skipped: when the binaries cannot be built, the fixture errors with the build's
+output, so a run that claims to test Kubernetes either does or fails loudly.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from rolegate_cli.controlplane import ControlPlane, ensure_binaries, scratch_dir
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[ControlPlane]:
+    root = scratch_dir()
+    plane = ControlPlane(bin_dir=ensure_binaries(), root=root)
+    try:
+        yield plane.start()
+    finally:
+        plane.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def namespace(control_plane: ControlPlane) -> str:
+    """A fresh namespace per test (deleted namespaces stay Terminating here: no GC)."""
+    name = f"t-{uuid.uuid4().hex[:10]}"
+    control_plane.kubectl("create", "namespace", name)
+    return name
