@@ -32,11 +32,22 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     proxy = commands.add_parser("proxy", help="serve the OpenAI-compatible routing proxy")
-    proxy.add_argument(
+    origin = proxy.add_mutually_exclusive_group(required=True)
+    origin.add_argument(
         "--manifests",
         type=Path,
-        required=True,
         help="directory of RoleTable and ProviderPolicy YAML, compiled at start (standalone mode)",
+    )
+    origin.add_argument(
+        "--configmap",
+        metavar="NAMESPACE/NAME",
+        help="watch this ConfigMap (written by `rolegate operator`) and reload on change",
+    )
+    proxy.add_argument(
+        "--kubeconfig",
+        type=Path,
+        default=None,
+        help="with --configmap: kubeconfig to use (default: in-cluster, else $KUBECONFIG)",
     )
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=8080)
@@ -75,22 +86,37 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _run_proxy(args: argparse.Namespace) -> int:
+    from rolegate_policy.config import ProxyConfig
+    from rolegate_proxy.configmap_source import ConfigMapSource
     from rolegate_proxy.server import serve
     from rolegate_proxy.settings import ProxySettings
     from rolegate_proxy.standalone import StandaloneConfigError, load_standalone_config
 
-    try:
-        config = load_standalone_config(args.manifests, sys.stderr)
-    except StandaloneConfigError as error:
-        print(f"rolegate proxy: {error}", file=sys.stderr)
-        return 2
+    source: ConfigMapSource | None = None
+    if args.configmap is not None:
+        namespace, _, name = args.configmap.partition("/")
+        if not namespace or not name or "/" in name:
+            print(
+                f"rolegate proxy: --configmap takes NAMESPACE/NAME, got {args.configmap!r}",
+                file=sys.stderr,
+            )
+            return 2
+        source = ConfigMapSource(namespace=namespace, name=name, kubeconfig=args.kubeconfig)
+        # Not ready until the first configuration arrives from the API server.
+        config = ProxyConfig()
+    else:
+        try:
+            config = load_standalone_config(args.manifests, sys.stderr)
+        except StandaloneConfigError as error:
+            print(f"rolegate proxy: {error}", file=sys.stderr)
+            return 2
     settings = ProxySettings(
         host=args.host,
         port=args.port,
         max_body_bytes=args.max_body_bytes,
         secrets_dir=args.secrets_dir,
     )
-    serve(settings, config)
+    serve(settings, config, source)
     return 0
 
 

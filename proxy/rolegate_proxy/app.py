@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from rolegate_policy.config import ProxyConfig
 
 from .chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
+from .configmap_source import ConfigMapSource
 from .credentials import KeyStore
 from .errors import ProxyError
 from .metrics import ProxyMetrics
@@ -36,24 +37,47 @@ class ProxyState:
     keys: KeyStore
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
     session: aiohttp.ClientSession | None = None
+    source: ConfigMapSource | None = None
 
-    def swap_config(self, config: ProxyConfig) -> None:
-        self.keys.refresh(config)
+    async def swap_config(self, config: ProxyConfig) -> None:
+        """Serve `config` from the next request on; requests in flight keep theirs."""
+        if config.hash == self.config.hash:
+            return
+        # Keys for new providers are read before the swap, off the event loop.
+        await asyncio.to_thread(self.keys.refresh, config)
+        previous = self.config
         self.config = config
+        self.metrics.config_hash.labels(config.hash).set(1)
+        if previous.hash:
+            self.metrics.config_hash.remove(previous.hash)
+            self.metrics.config_reloads.inc()
+        log.info(
+            "config swapped hash=%s roles=%d providers=%d",
+            config.hash,
+            len(config.roles),
+            len(config.providers),
+        )
 
 
 STATE = web.AppKey("rolegate_state", ProxyState)
 
 
-def create_app(settings: ProxySettings, config: ProxyConfig) -> web.Application:
+def create_app(
+    settings: ProxySettings, config: ProxyConfig, source: ConfigMapSource | None = None
+) -> web.Application:
+    """`config` is served at once; with a `source`, later configurations replace it."""
     keys = KeyStore(secrets_dir=settings.secrets_dir)
     keys.refresh(config)
-    state = ProxyState(settings=settings, config=config, keys=keys)
+    state = ProxyState(settings=settings, config=config, keys=keys, source=source)
+    if config.hash:
+        state.metrics.config_hash.labels(config.hash).set(1)
     # aiohttp enforces the limit on bodies without Content-Length; we answer in OpenAI shape.
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[STATE] = state
     app.cleanup_ctx.append(_upstream_session)
     app.cleanup_ctx.append(_key_refresher)
+    if source is not None:
+        app.cleanup_ctx.append(_config_watch)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)
@@ -86,6 +110,22 @@ async def _key_refresher(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _config_watch(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    source = state.source
+    assert source is not None
+    source.on_config = state.swap_config
+    source.on_api_state = lambda up: state.metrics.kube_api_up.set(1 if up else 0)
+    source.on_rejected = lambda _reason: state.metrics.config_rejected.inc()
+    # Its own session: API-server TLS and long-lived watches stay out of the upstream pool.
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(source.run(session), name="rolegate-config-watch")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -176,12 +216,15 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    config = request.app[STATE].config
+    state = request.app[STATE]
+    config = state.config
     ready = bool(config.roles)
+    waiting = "waiting for a configuration" if not config.hash else "no roles configured"
     return web.json_response(
         {
-            "status": "ready" if ready else "no roles configured",
+            "status": "ready" if ready else waiting,
             "config_hash": config.hash,
+            "config_source": state.source.describe if state.source else "manifests",
             "roles": len(config.roles),
             "providers": len(config.providers),
         },

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class ProxyMetrics:
@@ -38,4 +38,25 @@ class ProxyMetrics:
             ["role"],
             registry=self.registry,
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+        )
+        self.config_hash = Gauge(
+            "rolegate_config_info",
+            "The configuration being served: 1 for its content hash.",
+            ["hash"],
+            registry=self.registry,
+        )
+        self.config_reloads = Counter(
+            "rolegate_config_reloads",
+            "Configurations swapped in while serving.",
+            registry=self.registry,
+        )
+        self.config_rejected = Counter(
+            "rolegate_config_rejected",
+            "Configuration payloads refused (the last good configuration stayed).",
+            registry=self.registry,
+        )
+        self.kube_api_up = Gauge(
+            "rolegate_kube_api_up",
+            "1 while the Kubernetes API answers the configuration watch, else 0.",
+            registry=self.registry,
         )

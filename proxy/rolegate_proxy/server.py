@@ -13,6 +13,7 @@ from aiohttp import web
 from rolegate_policy.config import ProxyConfig
 
 from .app import STATE, ProxyState, create_app
+from .configmap_source import ConfigMapSource
 from .settings import ProxySettings
 
 
@@ -34,8 +35,10 @@ class RunningProxy:
         await self.runner.cleanup()
 
 
-async def start(settings: ProxySettings, config: ProxyConfig) -> RunningProxy:
-    app = create_app(settings, config)
+async def start(
+    settings: ProxySettings, config: ProxyConfig, source: ConfigMapSource | None = None
+) -> RunningProxy:
+    app = create_app(settings, config, source)
     # handler_cancellation: a client that disconnects cancels its handler at once, which
     # closes the upstream connection, so the provider stops generating for nobody.
     runner = web.AppRunner(
@@ -52,14 +55,16 @@ async def start(settings: ProxySettings, config: ProxyConfig) -> RunningProxy:
     return RunningProxy(runner=runner, host=settings.host, port=port)
 
 
-def serve(settings: ProxySettings, config: ProxyConfig) -> None:
+def serve(
+    settings: ProxySettings, config: ProxyConfig, source: ConfigMapSource | None = None
+) -> None:
     """Run until SIGINT or SIGTERM; open streams get the grace period to finish."""
 
     async def main() -> None:
-        running = await start(settings, config)
+        running = await start(settings, config, source)
+        origin = source.describe if source else f"{len(config.roles)} roles, config {config.hash}"
         print(
-            f"rolegate proxy listening on {running.url} "
-            f"({len(config.roles)} roles, config {config.hash})",
+            f"rolegate proxy listening on {running.url} ({origin})",
             file=sys.stderr,
             flush=True,
         )
