@@ -13,6 +13,7 @@ import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def load_access(kubeconfig: Path | None) -> KubeAccess:
     headers = {"Accept": "application/json"}
     # auth_settings() renders whatever the loader found (token, refreshed exec-plugin
     # credentials, basic auth) as the header it belongs in.
-    settings: dict[str, dict[str, str]] = configuration.auth_settings()
+    settings: dict[str, Any] = dict(configuration.auth_settings())
     for setting in settings.values():
         if setting.get("in") == "header" and setting.get("value"):
             headers[setting["key"].title()] = setting["value"]

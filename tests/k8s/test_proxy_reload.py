@@ -79,7 +79,8 @@ async def apply(control_plane: ControlPlane, namespace: str, sim_url: str) -> Ap
 async def proxy(control_plane: ControlPlane, namespace: str, apply: Apply) -> AsyncIterator[str]:
     await apply(["base"])
     port = free_port()
-    process = subprocess.Popen(
+    process = await asyncio.to_thread(
+        subprocess.Popen,
         [
             sys.executable, "-m", "rolegate_cli.main", "--log-level", "info", "proxy",
             "--configmap", f"{namespace}/{CONFIGMAP}",
