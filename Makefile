@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv bench clean
+.PHONY: demo test lint venv bench clean dev-cluster control-plane
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,3 +32,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# Build (once, cached under ~/.cache/rolegate) the real control plane the tests use.
+control-plane:
+	bash hack/build-control-plane.sh
+
+dev-cluster: $(STAMP)
+	$(BIN)/rolegate dev-cluster

@@ -77,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     compile_.add_argument("directory", type=Path)
     compile_.set_defaults(handler=_run_compile)
 
+    dev_cluster = commands.add_parser(
+        "dev-cluster",
+        help="start a local etcd + kube-apiserver (built once from Go modules) to kubectl against",
+    )
+    dev_cluster.set_defaults(handler=_run_dev_cluster)
+
     demo = commands.add_parser(
         "demo", help="run the simulated provider and the proxy, with traffic"
     )
@@ -145,6 +151,16 @@ def _run_compile(args: argparse.Namespace) -> int:
     from rolegate_policy.compile import run_compile
 
     return run_compile(args.directory, sys.stdout, sys.stderr)
+
+
+def _run_dev_cluster(args: argparse.Namespace) -> int:
+    from rolegate_cli.controlplane import ControlPlaneError, run_dev_cluster
+
+    try:
+        return run_dev_cluster()
+    except ControlPlaneError as error:
+        print(f"rolegate dev-cluster: {error}", file=sys.stderr)
+        return 1
 
 
 def _run_demo(args: argparse.Namespace) -> int:
