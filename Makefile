@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv bench clean dev-cluster control-plane
+.PHONY: demo test lint venv bench clean crds dev-cluster control-plane
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/pytest
+
+# Regenerate the CRDs from the policy model (tests/policy/test_crds.py fails when stale).
+crds: $(STAMP)
+	$(BIN)/python -m rolegate_policy.crds deploy/crds
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py

@@ -62,7 +62,43 @@ def _parser() -> argparse.ArgumentParser:
     )
     proxy.set_defaults(handler=_run_proxy)
 
-    operator = commands.add_parser("operator", help="run the Kubernetes operator")
+    operator = commands.add_parser(
+        "operator",
+        help="run the Kubernetes operator: RoleTables and ProviderPolicies into a ConfigMap",
+    )
+    watched = operator.add_mutually_exclusive_group(required=True)
+    watched.add_argument(
+        "--namespace",
+        action="append",
+        metavar="NS",
+        help="watch RoleTables and ProviderPolicies in this namespace (repeatable)",
+    )
+    watched.add_argument(
+        "--all-namespaces", action="store_true", help="watch them in every namespace"
+    )
+    operator.add_argument(
+        "--configmap",
+        default="rolegate-config",
+        metavar="NAME",
+        help="the ConfigMap the compiled configuration is written to (default: rolegate-config)",
+    )
+    operator.add_argument(
+        "--configmap-namespace",
+        metavar="NS",
+        help="namespace of that ConfigMap (default: the first --namespace)",
+    )
+    operator.add_argument(
+        "--kubeconfig",
+        type=Path,
+        default=None,
+        help="kubeconfig to use (default: in-cluster, else $KUBECONFIG or ~/.kube/config)",
+    )
+    operator.add_argument(
+        "--liveness-port",
+        type=int,
+        metavar="PORT",
+        help="serve kopf's liveness probe on http://0.0.0.0:PORT/healthz",
+    )
     operator.set_defaults(handler=_run_operator)
 
     sim = commands.add_parser("sim", help="serve the simulated OpenRouter-style provider")
@@ -127,12 +163,45 @@ def _run_proxy(args: argparse.Namespace) -> int:
 
 
 def _run_operator(args: argparse.Namespace) -> int:
-    print(
-        "rolegate operator: not available yet. The Kubernetes operator lands with the "
-        "CRDs; until then run the proxy standalone with `rolegate proxy --manifests DIR`.",
-        file=sys.stderr,
+    from kubernetes.config import ConfigException
+
+    from rolegate_operator.controller import Options
+    from rolegate_operator.kube import load_configuration
+    from rolegate_operator.main import LoopCrashed, MissingCRDs, run_operator
+
+    namespaces: tuple[str, ...] = tuple(dict.fromkeys(args.namespace or ()))
+    configmap_namespace = args.configmap_namespace or (namespaces[0] if namespaces else None)
+    if configmap_namespace is None:
+        print(
+            "rolegate operator: with --all-namespaces, say where the ConfigMap goes "
+            "with --configmap-namespace",
+            file=sys.stderr,
+        )
+        return 2
+    options = Options(
+        namespaces=namespaces,
+        configmap_namespace=configmap_namespace,
+        configmap_name=args.configmap,
     )
-    return 2
+    try:
+        configuration = load_configuration(
+            str(args.kubeconfig) if args.kubeconfig is not None else None
+        )
+    except (ConfigException, OSError) as error:
+        print(f"rolegate operator: no usable Kubernetes credentials: {error}", file=sys.stderr)
+        return 2
+    liveness = (
+        f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port is not None else None
+    )
+    try:
+        run_operator(options, configuration, liveness_endpoint=liveness)
+    except MissingCRDs as error:
+        print(f"rolegate operator: {error}", file=sys.stderr)
+        return 2
+    except LoopCrashed as error:
+        print(f"rolegate operator: {error}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _run_sim(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ convention); a misspelled or unknown field is an error that names it.
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Final
 from urllib.parse import urlsplit
 
@@ -52,8 +53,22 @@ DNS_SUBDOMAIN_PATTERN: Final = register_pattern_hint(
 SECRET_KEY_PATTERN: Final = register_pattern_hint(
     r"^[-._a-zA-Z0-9]+$", "letters, digits, '-', '.' or '_'"
 )
-# Mirrors `_check_endpoint` for the generated schema; the validator gives the precise message.
-ENDPOINT_PATTERN: Final = r"^https?://[^\s/?#@]+(/[^\s?#@]*)?$"
+# The schema's shape of an endpoint; `_check_endpoint` enforces it too, after its more
+# precise checks. Where Go's URL parser (the API server) and Python's disagree, the
+# pattern refuses both readings: a host is a bracketed IPv6 address or a name without
+# `%`, backslash or `:`; a port is at most five digits; a path has only well-formed escapes.
+ENDPOINT_PATTERN: Final = (
+    r"^https?://(\[[0-9A-Fa-f:.]+\]|[^\s/?#@%\\:\[\]]+)(:[0-9]{0,5})?"
+    r"(/([^\s?#@%]|%[0-9A-Fa-f]{2})*)?$"
+)
+_ENDPOINT = re.compile(ENDPOINT_PATTERN)
+# What the pattern cannot say, as the API server checks it (CEL's URL library, Go's
+# url.ParseRequestURI): a parseable URL, with a host, and a port (if any) from 1 to 65535.
+ENDPOINT_CEL_RULE: Final = (
+    "isURL(self) && url(self).getHostname() != '' && (url(self).getPort() == '' || "
+    "(size(url(self).getPort()) <= 5 && int(url(self).getPort()) >= 1 && "
+    "int(url(self).getPort()) <= 65535))"
+)
 
 MAX_SECONDS: Final = 3600.0
 
@@ -96,8 +111,14 @@ def _duplicates(
     return problems
 
 
-def _cel(rule: str, message: str, field_path: str) -> dict[str, Any]:
-    return {"rule": rule, "message": message, "fieldPath": field_path}
+def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, Any]:
+    """An `x-kubernetes-validations` rule. The message follows the API conventions
+    ("must ...", field names in back-quotes) and names the field it is about, because
+    the API server reports it after the path of the node the rule sits on."""
+    rule_entry: dict[str, Any] = {"rule": rule, "message": message}
+    if field_path is not None:
+        rule_entry["fieldPath"] = field_path
+    return rule_entry
 
 
 # RoleTable --------------------------------------------------------------------------
@@ -333,13 +354,14 @@ class BreakerSpec(SpecModel):
                 _cel(
                     "!has(self.maxCooldownSeconds) || !has(self.cooldownSeconds) || "
                     "self.maxCooldownSeconds >= self.cooldownSeconds",
-                    "maxCooldownSeconds must be at least cooldownSeconds",
+                    "`maxCooldownSeconds` must be at least `cooldownSeconds`",
                     ".maxCooldownSeconds",
                 ),
                 _cel(
                     "!has(self.rateMinSamples) || !has(self.rateWindow) || "
                     "self.rateMinSamples <= self.rateWindow",
-                    "rateMinSamples must not exceed rateWindow",
+                    "`rateMinSamples` must not be greater than `rateWindow`, or the rate "
+                    "could never trip the breaker",
                     ".rateMinSamples",
                 ),
             ]
@@ -500,13 +522,16 @@ class ProviderPolicySpec(SpecModel):
                 _cel(
                     "(has(self.dialect) && self.dialect != 'OpenAI') || "
                     "self.models.all(m, !has(m.machines) || size(m.machines) <= 1)",
-                    "with dialect OpenAI each model lists at most one machine",
+                    "`models[*].machines` must have at most one item when `dialect` is "
+                    "'OpenAI' (the endpoint itself); use `dialect` 'Aggregator' for an "
+                    "endpoint that routes to sub-providers",
                     ".models",
                 ),
                 _cel(
                     "!has(self.dialect) || self.dialect != 'Aggregator' || "
                     "self.models.all(m, has(m.machines) && size(m.machines) >= 1)",
-                    "with dialect Aggregator each model lists at least one machine",
+                    "`models[*].machines` must have at least one item when `dialect` is "
+                    "'Aggregator' (each names a sub-provider to route by)",
                     ".models",
                 ),
             ]
@@ -516,7 +541,16 @@ class ProviderPolicySpec(SpecModel):
     endpoint: str = Field(
         min_length=1,
         max_length=2048,
-        json_schema_extra={"pattern": ENDPOINT_PATTERN},
+        json_schema_extra={
+            "pattern": ENDPOINT_PATTERN,
+            "x-kubernetes-validations": [
+                _cel(
+                    ENDPOINT_CEL_RULE,
+                    "`endpoint` must be an http or https URL with a host and, if it has a "
+                    "port, a port from 1 to 65535",
+                )
+            ],
+        },
         description=(
             "Base URL of the OpenAI-compatible API, e.g. `https://openrouter.ai/api/v1`; "
             "the proxy appends `/chat/completions`. http or https, with a host, without "
@@ -574,7 +608,7 @@ class ProviderPolicySpec(SpecModel):
             port = parts.port
         except ValueError:
             raise ValueError(f"must be a valid http(s) URL, {example}") from None
-        if parts.scheme not in ("http", "https"):
+        if parts.scheme not in ("http", "https") or not value.startswith(("http://", "https://")):
             raise ValueError(f"must start with http:// or https://, {example}")
         if "@" in parts.netloc:
             raise ValueError(
@@ -592,6 +626,10 @@ class ProviderPolicySpec(SpecModel):
             )
         if parts.fragment or "#" in value:
             raise ValueError("must not have a fragment (#...)")
+        if "%" in parts.netloc:
+            raise ValueError("must not contain percent-escapes in the host")
+        if not _ENDPOINT.fullmatch(value):
+            raise ValueError(f"must be an http(s) base URL, {example}")
         return value
 
     @model_validator(mode="after")

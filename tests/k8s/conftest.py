@@ -12,7 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from rolegate_cli.controlplane import ControlPlane, ensure_binaries, scratch_dir
+from rolegate_cli.controlplane import REPO_ROOT, ControlPlane, ensure_binaries, scratch_dir
+from rolegate_policy.crds import RESOURCES
+
+CRD_DIR = REPO_ROOT / "deploy" / "crds"
 
 
 @pytest.fixture(scope="session")
@@ -32,3 +35,15 @@ def namespace(control_plane: ControlPlane) -> str:
     name = f"t-{uuid.uuid4().hex[:10]}"
     control_plane.kubectl("create", "namespace", name)
     return name
+
+
+@pytest.fixture(scope="session")
+def crds(control_plane: ControlPlane) -> ControlPlane:
+    """The control plane with the rolegate CRDs of `deploy/crds/` applied and established
+    (once per run, as a user would: `kubectl apply -f deploy/crds/`)."""
+    control_plane.kubectl("apply", "-f", str(CRD_DIR))
+    control_plane.kubectl(
+        "wait", "--for=condition=established", "--timeout=60s",
+        *(f"crd/{resource.crd_name}" for resource in RESOURCES),
+    )  # fmt: skip
+    return control_plane

@@ -1,0 +1,288 @@
+"""The compile loop: debounced, level-based, writing only what changed.
+
+Watch events only update the store and raise a change signal. One task waits for the
+signal, lets a burst of changes settle (`debounce_quiet` without a new change, at most
+`debounce_max` after the first), compiles everything from the store and then writes:
+
+1. the ConfigMap, when the compiled hash differs from the last one written (and on every
+   periodic resync, which also repairs a ConfigMap edited or deleted by hand);
+2. the status of each resource whose owned status fields differ from what it carries;
+3. an Event for each resource whose `Accepted` verdict changed (see `conditions`).
+
+The ConfigMap goes first, so a status never says a generation is served before it is.
+A failed pass is retried with backoff; while the API server is unreachable nothing is
+lost, since the next pass compares against the server again (SPEC D6).
+
+Before the first compile the loop waits until kopf's watch has delivered every object
+an initial listing found (bounded by `sync_timeout`), so a restart never compiles a
+partial set (RoleTables before the ProviderPolicies they rely on) and flaps statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from rolegate_operator.conditions import (
+    ACCEPTED,
+    EventNote,
+    find_condition,
+    status_patch,
+    transition_event,
+)
+from rolegate_operator.kube import ConfigMapWrite
+from rolegate_operator.reconcile import AcceptedVersion, ReconcileResult, reconcile
+from rolegate_operator.store import KINDS, ResourceKey, Store
+from rolegate_policy.config import ProxyConfig
+
+log = logging.getLogger("rolegate.operator")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the operator runs (the `rolegate operator` flags)."""
+
+    # Namespaces to watch; empty means every namespace.
+    namespaces: tuple[str, ...]
+    configmap_namespace: str
+    configmap_name: str = "rolegate-config"
+    debounce_quiet: float = 0.3
+    debounce_max: float = 2.0
+    resync_seconds: float = 300.0
+    sync_timeout: float = 30.0
+    retry_first: float = 0.5
+    retry_cap: float = 30.0
+
+
+class KubeWriter(Protocol):
+    """The API calls the loop makes; `kube.Kube` is the real one."""
+
+    def list_uids(self, kind: str, namespace: str | None) -> set[str] | None: ...
+
+    def apply_status(
+        self, key: ResourceKey, status: Mapping[str, Any]
+    ) -> Mapping[str, Any] | None: ...
+
+    def post_event(self, key: ResourceKey, uid: str, note: EventNote, now: datetime) -> None: ...
+
+    def sync_configmap(
+        self, namespace: str, name: str, proxy_config: ProxyConfig
+    ) -> ConfigMapWrite: ...
+
+
+def debounce_deadline(first: float, last: float, quiet: float, longest: float) -> float:
+    """When a burst of changes that began at `first`, latest at `last`, is compiled."""
+    return min(last + quiet, first + longest)
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class PassFailed(RuntimeError):
+    """Some writes of a pass failed; the pass is retried."""
+
+
+class Controller:
+    def __init__(
+        self,
+        options: Options,
+        store: Store,
+        kube: KubeWriter,
+        *,
+        now: Callable[[], datetime] = utc_now,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.options = options
+        self.store = store
+        self._kube = kube
+        self._now = now
+        self._monotonic = monotonic
+        self._changed = asyncio.Event()
+        self._observed = asyncio.Event()
+        self._memory: dict[ResourceKey, AcceptedVersion] = {}
+        self._written_hash: str | None = None
+        self.passes = 0
+        self.last_result: ReconcileResult | None = None
+
+    # Fed by the kopf handlers ------------------------------------------------------
+
+    def observe(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        self._observed.set()
+        if self.store.observe(event_type, body):
+            self._changed.set()
+
+    # The loop ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self._initial_sync()
+        verify_configmap = True
+        delay = self.options.retry_first
+        while True:
+            try:
+                await self.run_pass(verify_configmap=verify_configmap)
+            except Exception as error:  # the API server is down, a write refused: retry
+                log.warning(
+                    "compile pass failed, retrying retry_in=%.1fs error=%s",
+                    delay,
+                    _describe(error),
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.options.retry_cap)
+                verify_configmap = True
+                continue
+            delay = self.options.retry_first
+            changed = await self._wait_for_change(self.options.resync_seconds)
+            # A quiet resync re-reads the ConfigMap; a change compiles after debouncing.
+            verify_configmap = not changed
+            if changed:
+                await self._debounce()
+
+    async def run_pass(self, *, verify_configmap: bool = False) -> ReconcileResult:
+        """Compile from the store and write what differs. Raises `PassFailed` (after
+        trying every write) when some status writes failed."""
+        self._changed.clear()  # a change from here on means another pass
+        snapshot = self.store.snapshot()
+        result = reconcile(snapshot, self._memory)
+        self._memory = dict(result.accepted)
+        self.last_result = result
+        self.passes += 1
+        log.debug("compiled config_hash=%s resources=%d", result.config.hash, len(snapshot))
+
+        if verify_configmap or result.config.hash != self._written_hash:
+            outcome = await asyncio.to_thread(
+                self._kube.sync_configmap,
+                self.options.configmap_namespace,
+                self.options.configmap_name,
+                result.config,
+            )
+            self._written_hash = result.config.hash
+            if outcome is not ConfigMapWrite.UNCHANGED:
+                log.info(
+                    "configmap %s namespace=%s name=%s config_hash=%s roles=%d providers=%d "
+                    "rejected=%d",
+                    outcome.value,
+                    self.options.configmap_namespace,
+                    self.options.configmap_name,
+                    result.config.hash,
+                    len(result.config.roles),
+                    len(result.config.providers),
+                    len(result.rejected),
+                )
+
+        failures = 0
+        for key in sorted(result.outcomes):
+            try:
+                await self._write_status(key, result)
+            except Exception as error:
+                failures += 1
+                log.warning("status write failed resource=%s error=%s", key, _describe(error))
+        if failures:
+            raise PassFailed(f"{failures} status write(s) failed")
+        return result
+
+    async def _write_status(self, key: ResourceKey, result: ReconcileResult) -> None:
+        outcome = result.outcomes[key]
+        current = self.store.get(key)
+        if current is None or current.uid != outcome.uid:
+            return  # deleted or re-created since the snapshot: the next pass handles it
+        now = self._now()
+        patch = status_patch(current.status, outcome.status, now)
+        if patch is None:
+            return
+        written = await asyncio.to_thread(self._kube.apply_status, key, patch)
+        if written is None:
+            return
+        self.store.record_write(written)
+        accepted = outcome.status.accepted
+        log.info(
+            "status written resource=%s generation=%d accepted=%s reason=%s served_generation=%s",
+            key,
+            outcome.status.observed_generation,
+            accepted.status.value,
+            accepted.reason,
+            outcome.served_generation,
+        )
+        note = transition_event(find_condition(current.status, ACCEPTED), accepted)
+        if note is None:
+            return
+        try:
+            await asyncio.to_thread(self._kube.post_event, key, outcome.uid, note, now)
+        except Exception as error:  # Events are best effort; the status already says it
+            log.warning("event not posted resource=%s error=%s", key, _describe(error))
+
+    async def _initial_sync(self) -> None:
+        """Wait until the watch has delivered what a listing finds (bounded)."""
+        expected: set[str] = set()
+        namespaces: tuple[str | None, ...] = self.options.namespaces or (None,)
+        delay = self.options.retry_first
+        for kind in KINDS:
+            for namespace in namespaces:
+                while True:
+                    try:
+                        uids = await asyncio.to_thread(self._kube.list_uids, kind, namespace)
+                        break
+                    except Exception as error:
+                        log.warning(
+                            "initial listing failed kind=%s retry_in=%.1fs error=%s",
+                            kind,
+                            delay,
+                            _describe(error),
+                        )
+                        await asyncio.sleep(delay)
+                        delay = min(delay * 2, self.options.retry_cap)
+                expected |= uids or set()
+        deadline = self._monotonic() + self.options.sync_timeout
+        while True:
+            missing = [uid for uid in expected if not self.store.has_seen(uid)]
+            if not missing:
+                break
+            remaining = deadline - self._monotonic()
+            if remaining <= 0:
+                log.warning(
+                    "initial sync incomplete, compiling anyway missing=%d timeout=%.0fs",
+                    len(missing),
+                    self.options.sync_timeout,
+                )
+                break
+            self._observed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._observed.wait(), min(remaining, 1.0))
+        self.store.stop_tracking_uids()
+        log.info("initial sync done resources=%d", len(self.store))
+
+    async def _wait_for_change(self, within: float) -> bool:
+        try:
+            await asyncio.wait_for(self._changed.wait(), within)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _debounce(self) -> None:
+        first = last = self._monotonic()
+        while True:
+            self._changed.clear()
+            deadline = debounce_deadline(
+                first, last, self.options.debounce_quiet, self.options.debounce_max
+            )
+            remaining = deadline - self._monotonic()
+            if remaining <= 0:
+                return
+            if not await self._wait_for_change(remaining):
+                return
+            last = self._monotonic()
+
+
+def _describe(error: BaseException) -> str:
+    """An error for a log line: its type and the API status, never a response body."""
+    status = getattr(error, "status", None)
+    reason = getattr(error, "reason", None)
+    if status is not None:
+        return f"{type(error).__name__}(status={status}, reason={reason})"
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,281 @@
+"""The operator's writes to the API server, through the official `kubernetes` client.
+
+Synchronous calls (the compile loop runs them with `asyncio.to_thread`), each bounded by
+a request timeout so a hung API server cannot hold a thread forever:
+
+- status: server-side apply on the `/status` subresource as field manager
+  `rolegate-operator`, sending only the fields the operator owns (see `conditions`);
+- Events: core/v1 Events about a resource (a Warning per rejection, a Normal per
+  recovery), so `kubectl describe` shows them;
+- the ConfigMap: `data["config.json"]` (the canonical JSON of the compiled
+  configuration), annotation `rolegate.dev/config-hash`, label
+  `app.kubernetes.io/managed-by: rolegate-operator`; read first and written only when
+  the content differs, retrying on a 409 conflict by reading again.
+
+The same loaded credentials feed kopf (`connection_info`), so the watch and the writes
+talk to one API server as one identity.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import uuid
+from collections.abc import Mapping
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Final
+
+import kopf
+from kubernetes import client, config
+
+from rolegate_operator.conditions import EventNote
+from rolegate_operator.store import API_VERSION, GROUP, KINDS, VERSION, ResourceKey
+from rolegate_policy.config import ProxyConfig
+
+FIELD_MANAGER: Final = "rolegate-operator"
+CONFIG_KEY: Final = "config.json"
+HASH_ANNOTATION: Final = f"{GROUP}/config-hash"
+MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
+# (connect, read) seconds for every request the operator makes itself.
+REQUEST_TIMEOUT: Final = (5.0, 30.0)
+CONFLICT_RETRIES: Final = 5
+# Event messages are shown in one line by `kubectl describe`; events.k8s.io caps notes at 1 KiB.
+EVENT_MESSAGE_LIMIT: Final = 1024
+
+log = logging.getLogger("rolegate.operator.kube")
+
+
+class ConfigMapWrite(StrEnum):
+    CREATED = "created"
+    UPDATED = "updated"
+    UNCHANGED = "unchanged"
+
+
+class ConflictPersisted(RuntimeError):
+    """The ConfigMap kept changing under us: every retry met a newer version."""
+
+
+def load_configuration(kubeconfig: str | None) -> client.Configuration:
+    """Credentials from `kubeconfig`; without one, in-cluster, else the default kubeconfig."""
+    configuration = client.Configuration()
+    # The config loaders are not annotated (kubernetes-client/python).
+    if kubeconfig is not None:
+        config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=kubeconfig, client_configuration=configuration
+        )
+        return configuration
+    try:
+        config.load_incluster_config(  # type: ignore[no-untyped-call]
+            client_configuration=configuration
+        )
+    except config.ConfigException:
+        config.load_kube_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    return configuration
+
+
+def connection_info(configuration: client.Configuration) -> kopf.ConnectionInfo:
+    """The loaded credentials in the shape kopf's `@kopf.on.login` handlers return."""
+    header = configuration.get_api_key_with_prefix(
+        "BearerToken"
+    ) or configuration.get_api_key_with_prefix("authorization")
+    scheme: str | None = None
+    token: str | None = None
+    if header:
+        parts = header.split(" ", 1)
+        scheme, token = (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        username=configuration.username or None,
+        password=configuration.password or None,
+        scheme=scheme,
+        token=token,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+    )
+
+
+class Kube:
+    """The operator's own API calls. Raises `kubernetes.client.ApiException` (and
+    connection errors) for the caller to retry, except where noted."""
+
+    def __init__(self, configuration: client.Configuration) -> None:
+        self._client = client.ApiClient(configuration)
+        self._custom = client.CustomObjectsApi(self._client)
+        self._core = client.CoreV1Api(self._client)
+        self._instance = socket.gethostname()
+
+    def close(self) -> None:
+        self._client.close()  # type: ignore[no-untyped-call]
+
+    def list_uids(self, kind: str, namespace: str | None) -> set[str] | None:
+        """The uids of every object of `kind` (in `namespace`, or everywhere); None when
+        the kind is not served (its CRD is not installed)."""
+        plural = KINDS[kind].plural
+        uids: set[str] = set()
+        token: str | None = None
+        while True:
+            try:
+                if namespace is None:
+                    page = self._custom.list_cluster_custom_object(
+                        GROUP, VERSION, plural, limit=500, _continue=token,
+                        _request_timeout=REQUEST_TIMEOUT,
+                    )  # fmt: skip
+                else:
+                    page = self._custom.list_namespaced_custom_object(
+                        GROUP, VERSION, namespace, plural, limit=500, _continue=token,
+                        _request_timeout=REQUEST_TIMEOUT,
+                    )  # fmt: skip
+            except client.ApiException as error:
+                if error.status == 404:
+                    return None
+                raise
+            body = _mapping(page)
+            for item in body.get("items") or []:
+                uid = _mapping(_mapping(item).get("metadata")).get("uid")
+                if isinstance(uid, str):
+                    uids.add(uid)
+            token = _mapping(body.get("metadata")).get("continue") or None
+            if token is None:
+                return uids
+
+    def apply_status(self, key: ResourceKey, status: Mapping[str, Any]) -> dict[str, Any] | None:
+        """Server-side apply of `status` (only the operator's fields) to the resource's
+        `/status`; the object as stored afterwards, or None when the resource is gone."""
+        body = {
+            "apiVersion": API_VERSION,
+            "kind": key.kind,
+            "metadata": {"name": key.name, "namespace": key.namespace},
+            "status": dict(status),
+        }
+        try:
+            written = self._custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, key.namespace, KINDS[key.kind].plural, key.name, body,
+                field_manager=FIELD_MANAGER, force=True,
+                _content_type="application/apply-patch+yaml",
+                _request_timeout=REQUEST_TIMEOUT,
+            )  # fmt: skip
+        except client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        return dict(_mapping(written))
+
+    def post_event(self, key: ResourceKey, uid: str, note: EventNote, now: datetime) -> None:
+        """A core/v1 Event about the resource (shown by `kubectl describe`)."""
+        message = note.message
+        if len(message) > EVENT_MESSAGE_LIMIT:
+            message = message[: EVENT_MESSAGE_LIMIT - 1] + "…"
+        event = client.CoreV1Event(
+            metadata=client.V1ObjectMeta(
+                name=f"{key.name}.{uuid.uuid4().hex[:16]}", namespace=key.namespace
+            ),
+            involved_object=client.V1ObjectReference(
+                api_version=API_VERSION,
+                kind=key.kind,
+                name=key.name,
+                namespace=key.namespace,
+                uid=uid,
+            ),
+            type=note.type,
+            reason=note.reason,
+            message=message,
+            action="Compile",
+            first_timestamp=now,
+            last_timestamp=now,
+            count=1,
+            source=client.V1EventSource(component=FIELD_MANAGER),
+            reporting_component=FIELD_MANAGER,
+            reporting_instance=self._instance,
+        )
+        self._core.create_namespaced_event(key.namespace, event, _request_timeout=REQUEST_TIMEOUT)
+
+    def sync_configmap(
+        self, namespace: str, name: str, proxy_config: ProxyConfig
+    ) -> ConfigMapWrite:
+        """Make the ConfigMap hold `proxy_config`; no write when it already does."""
+        payload = proxy_config.to_canonical_json()
+        for _ in range(CONFLICT_RETRIES):
+            current = self._read_configmap(namespace, name)
+            if current is None:
+                try:
+                    self._core.create_namespaced_config_map(
+                        namespace,
+                        _configmap(name, namespace, payload, proxy_config.hash, None),
+                        field_manager=FIELD_MANAGER,
+                        _request_timeout=REQUEST_TIMEOUT,
+                    )
+                except client.ApiException as error:
+                    if error.status == 409:  # created meanwhile by someone else
+                        continue
+                    raise
+                return ConfigMapWrite.CREATED
+            annotations = (current.metadata.annotations if current.metadata else None) or {}
+            data = current.data or {}
+            if (
+                annotations.get(HASH_ANNOTATION) == proxy_config.hash
+                and data.get(CONFIG_KEY) == payload
+            ):
+                return ConfigMapWrite.UNCHANGED
+            try:
+                self._core.replace_namespaced_config_map(
+                    name,
+                    namespace,
+                    _configmap(name, namespace, payload, proxy_config.hash, current),
+                    field_manager=FIELD_MANAGER,
+                    _request_timeout=REQUEST_TIMEOUT,
+                )
+            except client.ApiException as error:
+                if error.status == 409:  # changed since we read it: read again
+                    log.info("configmap conflict, retrying namespace=%s name=%s", namespace, name)
+                    continue
+                raise
+            return ConfigMapWrite.UPDATED
+        raise ConflictPersisted(
+            f"ConfigMap {namespace}/{name} changed under every one of {CONFLICT_RETRIES} writes"
+        )
+
+    def _read_configmap(self, namespace: str, name: str) -> client.V1ConfigMap | None:
+        try:
+            return self._core.read_namespaced_config_map(
+                name, namespace, _request_timeout=REQUEST_TIMEOUT
+            )
+        except client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+
+def _configmap(
+    name: str,
+    namespace: str,
+    payload: str,
+    config_hash: str,
+    current: client.V1ConfigMap | None,
+) -> client.V1ConfigMap:
+    """The ConfigMap to write: others' labels and annotations kept, ours set, `data`
+    exactly the one key (nothing secret is in it: the configuration names Secrets, never
+    their values)."""
+    metadata = current.metadata if current is not None and current.metadata else None
+    labels = dict((metadata.labels if metadata else None) or {})
+    annotations = dict((metadata.annotations if metadata else None) or {})
+    labels[MANAGED_BY_LABEL] = FIELD_MANAGER
+    annotations[HASH_ANNOTATION] = config_hash
+    return client.V1ConfigMap(
+        api_version="v1",
+        kind="ConfigMap",
+        metadata=client.V1ObjectMeta(
+            name=name,
+            namespace=namespace,
+            labels=labels,
+            annotations=annotations,
+            resource_version=metadata.resource_version if metadata else None,
+        ),
+        data={CONFIG_KEY: payload},
+    )
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
