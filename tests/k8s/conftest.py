@@ -7,6 +7,7 @@ output, so a run that claims to test Kubernetes either does or fails loudly.
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -46,4 +47,15 @@ def crds(control_plane: ControlPlane) -> ControlPlane:
         "wait", "--for=condition=established", "--timeout=60s",
         *(f"crd/{resource.crd_name}" for resource in RESOURCES),
     )  # fmt: skip
+    # Established is not yet published: the OpenAPI document `kubectl explain` reads
+    # follows a moment later.
+    deadline = time.monotonic() + 30
+    for resource in RESOURCES:
+        while True:
+            result = control_plane.kubectl("explain", resource.singular, check=False)
+            if result.returncode == 0:
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{resource.kind} never reached OpenAPI: {result.stderr}")
+            time.sleep(0.2)
     return control_plane

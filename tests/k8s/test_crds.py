@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -381,8 +382,6 @@ def patch_status(
 
 def table(output: str) -> list[list[str]]:
     """`kubectl get` output split into cells (columns are separated by 2+ spaces)."""
-    import re
-
     return [re.split(r"\s{2,}", line.strip()) for line in output.strip().splitlines()]
 
 
@@ -518,3 +517,19 @@ def test_where_the_api_server_is_more_lenient_what_it_stores_compiles(
     stored = [{**table, "spec": stored_table}, {**provider, "spec": stored_provider}]
     result = compile_manifests([manifest_from_object(o, f"#{i}") for i, o in enumerate(stored)])
     assert result.all_accepted, result.rejected
+
+
+def test_without_strict_validation_an_unknown_field_is_pruned_but_kept_by_kubectl(
+    crds: ControlPlane, namespace: str
+) -> None:
+    """Why strict field validation matters: turned off, the structural schema prunes a
+    pasted key from the spec, yet client-side apply keeps it in its annotation."""
+    planted = "sk-or-v1-planted"
+    obj = _provider(apiKey=planted)
+    crds.kubectl("apply", "--validate=false", "-n", namespace, "-f", "-", input=json.dumps(obj))
+    stored = get_json(crds, namespace, "providerpolicy", "bad")
+    assert "apiKey" not in stored["spec"]
+    annotation = stored["metadata"]["annotations"][
+        "kubectl.kubernetes.io/last-applied-configuration"
+    ]
+    assert planted in annotation
