@@ -140,7 +140,17 @@ class RoleSpec(SpecModel):
     models: list[ModelName] = Field(
         min_length=1,
         max_length=16,
-        json_schema_extra={"x-kubernetes-list-type": "set"},
+        # An ordered preference list: atomic, so server-side apply never merges two
+        # managers' entries in an undefined order; uniqueness is a CEL rule instead.
+        json_schema_extra={
+            "x-kubernetes-list-type": "atomic",
+            "x-kubernetes-validations": [
+                _cel(
+                    "self.all(m, self.exists_one(n, n == m))",
+                    "`models` must not list a model twice",
+                )
+            ],
+        },
         description=(
             "Upstream model names, in order of preference, exactly as a ProviderPolicy "
             "lists them (e.g. `qwen/qwen3-coder`). The next model serves only when no "

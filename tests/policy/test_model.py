@@ -437,7 +437,7 @@ def test_schema_carries_kubernetes_list_semantics_and_rules() -> None:
     assert {rule["fieldPath"] for rule in rules} == {".maxCooldownSeconds", ".rateMinSamples"}
     roles = RoleTableSpec.model_json_schema(by_alias=True)
     assert roles["properties"]["roles"]["x-kubernetes-list-type"] == "map"
-    assert roles["$defs"]["RoleSpec"]["properties"]["models"]["x-kubernetes-list-type"] == "set"
+    assert roles["$defs"]["RoleSpec"]["properties"]["models"]["x-kubernetes-list-type"] == "atomic"
 
 
 def test_all_spec_models_forbid_extra_fields_and_are_frozen() -> None:
