@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import statistics
-import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -19,6 +15,7 @@ import pytest
 from rolegate_cli.controlplane import ControlPlane, free_port
 
 from ..support import SimFactory, compile_objects, provider_policy, role, role_table
+from .processes import ready, served_roles, start_cli, stop, until
 
 MODEL = "vendor/model-a"
 REPLY = " ".join(f"w{i}" for i in range(60))
@@ -79,50 +76,22 @@ async def apply(control_plane: ControlPlane, namespace: str, sim_url: str) -> Ap
 async def proxy(control_plane: ControlPlane, namespace: str, apply: Apply) -> AsyncIterator[str]:
     await apply(["base"])
     port = free_port()
-    process = await asyncio.to_thread(
-        subprocess.Popen,
-        [
-            sys.executable, "-m", "rolegate_cli.main", "--log-level", "info", "proxy",
-            "--configmap", f"{namespace}/{CONFIGMAP}",
-            "--kubeconfig", str(control_plane.kubeconfig),
-            "--port", str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ},
+    process = await start_cli(
+        "proxy",
+        "--configmap", f"{namespace}/{CONFIGMAP}",
+        "--kubeconfig", str(control_plane.kubeconfig),
+        "--port", str(port),
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        await _until(lambda: _ready(url), within=20, what="the proxy to load the ConfigMap")
+        await until(lambda: ready(url), within=20, what="the proxy to load the ConfigMap")
         yield url
     finally:
-        process.terminate()
-        _, stderr = await asyncio.to_thread(process.communicate, timeout=30)
-        print(stderr[-4000:])
-
-
-async def _ready(url: str) -> bool:
-    async with httpx.AsyncClient() as client:
-        try:
-            return (await client.get(f"{url}/readyz")).status_code == 200
-        except httpx.HTTPError:
-            return False
+        await stop(process)
 
 
 async def _roles(url: str) -> list[str]:
-    async with httpx.AsyncClient() as client:
-        models = (await client.get(f"{url}/v1/models")).json()
-    return [entry["id"] for entry in models["data"]]
-
-
-async def _until(check: Callable[[], Awaitable[bool]], *, within: float, what: str) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < within:
-        if await check():
-            return time.monotonic() - started
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out after {within}s waiting for {what}")
+    return list(await served_roles(url))
 
 
 async def test_changes_are_served_within_seconds(proxy: str, apply: Apply) -> None:
@@ -134,7 +103,7 @@ async def test_changes_are_served_within_seconds(proxy: str, apply: Apply) -> No
         async def served(wanted: str = wanted) -> bool:
             return wanted in await _roles(proxy)
 
-        delays.append(await _until(served, within=10, what=f"role {wanted} to be served"))
+        delays.append(await until(served, within=10, what=f"role {wanted} to be served"))
     median, worst = statistics.median(delays), max(delays)
     print(f"\nreload after kubectl apply, 20 changes: median {median * 1000:.0f} ms, "
           f"worst {worst * 1000:.0f} ms")  # fmt: skip
@@ -160,7 +129,7 @@ async def test_a_stream_started_before_a_change_completes_intact(proxy: str, app
                 async def swapped() -> bool:
                     return await _roles(proxy) == ["other"]
 
-                await _until(swapped, within=10, what="the new configuration")
+                await until(swapped, within=10, what="the new configuration")
     assert changed
     text = "".join(
         choice["delta"].get("content") or ""
@@ -192,5 +161,5 @@ async def test_an_api_server_outage_does_not_stop_routing(
     async def caught_up() -> bool:
         return "after-outage" in await _roles(proxy)
 
-    delay = await _until(caught_up, within=15, what="the change made after the outage")
+    delay = await until(caught_up, within=15, what="the change made after the outage")
     print(f"\nchange after the API server returned served in {delay * 1000:.0f} ms")
