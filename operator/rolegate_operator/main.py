@@ -34,7 +34,8 @@ RUNTIME_KEY = "rolegate"
 # Watch streams: the API server ends each after `server_timeout`; the client gives up
 # a little later; a stream with no event and no bookmark for `inactivity_timeout` is
 # presumed dead (streams that go silent behind load balancers, nolar/kopf#585).
-WATCH_SERVER_TIMEOUT = 60.0
+# An integer: kopf passes it to the API server as `timeoutSeconds`, which must parse as one.
+WATCH_SERVER_TIMEOUT = 60
 WATCH_CLIENT_TIMEOUT = 90.0
 WATCH_CONNECT_TIMEOUT = 10.0
 WATCH_INACTIVITY_TIMEOUT = 75.0

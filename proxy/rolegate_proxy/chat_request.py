@@ -10,6 +10,7 @@ import orjson
 from rolegate_policy.config import CompiledRole, ProxyConfig
 
 from .errors import ProxyError, bad_request
+from .verdicts import PromptProfile, profile_prompt
 
 ROLE_HEADER = "X-Rolegate-Role"
 
@@ -19,9 +20,14 @@ class ChatRequest:
     role: CompiledRole
     body: dict[str, Any]
     stream: bool
-    # True when the prompt is pure ASCII: computed once per request because degraded-output
-    # attribution (SPEC A3) needs it and the prompt is never kept.
-    prompt_is_ascii: bool
+    # The prompt's charset profile (pure ASCII or not, and its non-ASCII characters):
+    # computed once per request because degraded-output attribution (SPEC A3) needs it and
+    # the prompt is never kept.
+    prompt: PromptProfile
+
+    @property
+    def prompt_is_ascii(self) -> bool:
+        return self.prompt.is_ascii
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -112,21 +118,9 @@ def validate_chat_request(body: dict[str, Any], role: CompiledRole) -> ChatReque
             '`stream_options` must be an object such as {"include_usage": true}.',
             param="stream_options",
         )
-    return ChatRequest(role=role, body=body, stream=stream, prompt_is_ascii=_is_ascii(messages))
-
-
-def _is_ascii(messages: list[Any]) -> bool:
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, str):
-            if not content.isascii():
-                return False
-        elif isinstance(content, list):
-            for part in content:
-                text = part.get("text") if isinstance(part, dict) else None
-                if isinstance(text, str) and not text.isascii():
-                    return False
-    return True
+    return ChatRequest(
+        role=role, body=body, stream=stream, prompt=profile_prompt(messages, body.get("tools"))
+    )
 
 
 def _json_type(value: Any) -> str:

@@ -1,0 +1,848 @@
+"""The circuit breaker: a pure state machine per key, with the clock passed in (SPEC A5-A8, C4).
+
+Every finished upstream attempt is recorded as an `Outcome`, successes included (they are
+the rate arm's denominator). An outcome is evidence for up to three families, each on the
+key its signature decides (SPEC A6):
+
+* encoding faults (high-confidence, attributable mangling) on the provider;
+* content faults (an attributable empty answer on a 2xx) on (provider, model);
+* transport faults (a status >= 500 or 408/409/425, a failed connection, a timeout, a
+  broken stream, an error inside the stream) on (provider, model, machine) when the
+  aggregator named the failing machine, else as the ProviderPolicy's `transportScope` says.
+
+A closed breaker opens on novelty, on a count, or on a rate (SPEC A7), stays open for an
+exponentially growing, capped and jittered cooldown, then lets exactly one probe through
+(`admit`) and closes on the next clean answer or re-opens for longer. 429, 401/403 and 402
+impose separate hard exclusions with their own expiry. Nothing here is, or feeds, a quality
+score (SPEC A5, C4). See docs/degraded-output.md for the rules and every setting.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from itertools import islice
+from typing import Final
+
+from rolegate_policy.config import BreakerSettings, DegradedOutputSettings, TransportScope
+
+from .evidence import CallBuckets, RateWindow, SignatureHistory
+from .exclusions import (
+    HARD_STATUSES,
+    MAX_RETRY_AFTER_SECONDS,
+    REASON_OF_CAUSE,
+    BreakerKey,
+    BreakerState,
+    Cause,
+    Exclusion,
+    Reason,
+    State,
+    Transition,
+    TransitionKind,
+    Trigger,
+    covering_keys,
+    is_transport_status,
+)
+from .verdicts import Confidence, Signature, Verdict, VerdictKind
+
+# The short window the count arms look back over: a novel signature must be seen
+# novel_signature_count times, a familiar one familiar_signature_count times, within it.
+BURST_SECONDS: Final = 300.0
+# How long an admitted re-probe holds the half-open slot when nothing reports back.
+PROBE_LEASE_SECONDS: Final = 120.0
+# Keys tracked at most; closed, idle keys go first.
+MAX_KEYS: Final = 4096
+# Distinct fault signatures remembered per key, and fault times per signature.
+MAX_SIGNATURES_PER_KEY: Final = 16
+MAX_HISTORY: Final = 1024
+# Nothing legitimate multiplies a cooldown this many times.
+_MAX_DOUBLINGS: Final = 2048
+
+
+class TransportFault(StrEnum):
+    """An attempt that failed without a usable HTTP status."""
+
+    CONNECTION_FAILED = "connection_failed"
+    TIMEOUT = "timeout"
+    BROKEN_STREAM = "broken_stream"
+    STREAM_ERROR = "stream_error"
+
+
+class Family(StrEnum):
+    ENCODING = "encoding"
+    CONTENT = "content"
+    TRANSPORT = "transport"
+
+
+REASON_OF_FAMILY: Final = {
+    Family.ENCODING: Reason.MANGLED_OUTPUT,
+    Family.CONTENT: Reason.EMPTY_RESPONSES,
+    Family.TRANSPORT: Reason.UPSTREAM_ERRORS,
+}
+_FAULTY: Final = {
+    Family.ENCODING: ("answers", "mangled"),
+    Family.CONTENT: ("answers", "empty"),
+    Family.TRANSPORT: ("attempts", "failed"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One finished upstream attempt, as the breaker needs it. Carries no text.
+
+    `machine` is the aggregator's sub-provider that served or failed, when the response named
+    it; None for a direct provider, which is its own machine (a machine named like the
+    provider is treated as None). `status` is the HTTP status (None when there was none),
+    `verdict` the structural verdict of a 2xx answer, `transport` a failure without a usable
+    status, `retry_after` a 429's Retry-After in seconds, `started_at` when the attempt was
+    admitted (on the same clock as `now`): an attempt that started before its key tripped
+    cannot close or re-open it. `now` must not go backwards between calls.
+    """
+
+    provider: str
+    model: str
+    machine: str | None = None
+    status: int | None = None
+    verdict: Verdict | None = None
+    transport: TransportFault | None = None
+    retry_after: float | None = None
+    started_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.status is None and self.transport is None:
+            raise ValueError("an outcome has an HTTP status or a transport fault")
+
+    @classmethod
+    def answered(
+        cls,
+        provider: str,
+        model: str,
+        verdict: Verdict,
+        *,
+        machine: str | None = None,
+        status: int = 200,
+        started_at: float | None = None,
+    ) -> Outcome:
+        return cls(provider, model, machine, status, verdict, started_at=started_at)
+
+    @classmethod
+    def http_error(
+        cls,
+        provider: str,
+        model: str,
+        status: int,
+        *,
+        machine: str | None = None,
+        retry_after: float | None = None,
+        started_at: float | None = None,
+    ) -> Outcome:
+        return cls(provider, model, machine, status, retry_after=retry_after, started_at=started_at)
+
+    @classmethod
+    def transport_failure(
+        cls,
+        provider: str,
+        model: str,
+        fault: TransportFault,
+        *,
+        machine: str | None = None,
+        status: int | None = None,
+        started_at: float | None = None,
+    ) -> Outcome:
+        return cls(provider, model, machine, status, transport=fault, started_at=started_at)
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The answer to "may this attempt be sent now?". `probes` names the half-open keys
+    this attempt is the single re-probe of (empty for an ordinary attempt)."""
+
+    allowed: bool
+    exclusion: Exclusion | None
+    probes: tuple[BreakerKey, ...]
+    at: float
+
+    @property
+    def is_probe(self) -> bool:
+        return bool(self.probes)
+
+
+# --- classification ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Sample:
+    family: Family
+    key: BreakerKey
+    # The fault's signature; None for a clean sample.
+    signature: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Hard:
+    cause: Cause
+    key: BreakerKey
+    status: int
+
+
+def _transport_key(outcome: Outcome, settings: BreakerSettings) -> BreakerKey:
+    # A direct provider's one machine carries the provider's name: it is not a sub-provider.
+    if outcome.machine is not None and outcome.machine != outcome.provider:
+        return BreakerKey(outcome.provider, outcome.model, outcome.machine)
+    if settings.transport_scope is TransportScope.MODEL:
+        return BreakerKey(outcome.provider, outcome.model)
+    return BreakerKey(outcome.provider)
+
+
+def _classify(
+    outcome: Outcome, settings: BreakerSettings, degraded: DegradedOutputSettings
+) -> tuple[list[_Sample], _Hard | None, bool]:
+    """The samples an outcome contributes, the hard exclusion it imposes, and whether it was
+    an answer (a 2xx that completed)."""
+    status = outcome.status
+    if outcome.transport is not None:
+        fault = outcome.transport.value
+        return [_Sample(Family.TRANSPORT, _transport_key(outcome, settings), fault)], None, False
+    assert status is not None
+    if not 200 <= status < 300:
+        cause = HARD_STATUSES.get(status)
+        if cause is Cause.RATE_LIMITED:
+            return [], _Hard(cause, _transport_key(outcome, settings), status), False
+        if cause is Cause.AUTH_FAILURE and status == 403:
+            # Forbidden is usually about this model (access, moderation), not the key.
+            return [], _Hard(cause, BreakerKey(outcome.provider, outcome.model), status), False
+        if cause is not None:
+            return [], _Hard(cause, BreakerKey(outcome.provider), status), False
+        if is_transport_status(status):
+            # One signature for all 5xx: a 502 and a 503 are the same upstream falling over.
+            signature = f"http_{status // 100}xx" if status >= 500 else f"http_{status}"
+            key = _transport_key(outcome, settings)
+            return [_Sample(Family.TRANSPORT, key, signature)], None, False
+        return [], None, False  # about the request: no evidence either way
+    samples = [_Sample(Family.TRANSPORT, _transport_key(outcome, settings), None)]
+    verdict = outcome.verdict
+    if verdict is not None:
+        model_key = BreakerKey(outcome.provider, outcome.model)
+        if verdict.signature is Signature.EMPTY_RESPONSE:
+            if degraded.detect_empty and verdict.attributable:
+                samples.append(_Sample(Family.CONTENT, model_key, verdict.signature.value))
+        else:
+            samples.append(_Sample(Family.CONTENT, model_key, None))
+        if verdict.kind is VerdictKind.MANGLED and degraded.detect_mangled:
+            provider_key = BreakerKey(outcome.provider)
+            if verdict.confidence is Confidence.HIGH and verdict.attributable:
+                assert verdict.signature is not None
+                samples.append(_Sample(Family.ENCODING, provider_key, verdict.signature.value))
+            elif verdict.signature is Signature.NON_ASCII_NOT_IN_PROMPT:
+                # Non-ASCII in an answer to an ASCII prompt, not mangled: the only kind of
+                # answer that could have shown an encoding fault and did not.
+                samples.append(_Sample(Family.ENCODING, provider_key, None))
+    return samples, None, True
+
+
+@dataclass(slots=True)
+class _Evidence:
+    """One family's evidence on one key since the key last changed state."""
+
+    rate: RateWindow
+    # Eligible outcomes, and the faults among them, over the burst window.
+    calls: CallBuckets
+    faults: CallBuckets
+    counted_from: float
+
+    def add(self, fault: bool, now: float) -> None:
+        self.rate.add(fault)
+        self.calls.add(now)
+        if fault:
+            self.faults.add(now)
+
+    def reset(self, now: float) -> None:
+        self.rate = RateWindow(self.rate.size)
+        self.calls = CallBuckets(self.calls.span)
+        self.faults = CallBuckets(self.faults.span)
+        self.counted_from = now
+
+
+@dataclass(slots=True)
+class _HardExclusion:
+    since: float = 0.0
+    until: float = 0.0
+    active: bool = False
+    detail: str = ""
+    trips: int = 0
+    # Consecutive impositions without an answer in between: the re-check backs off.
+    streak: int = 0
+    last_at: float | None = None
+
+
+@dataclass(slots=True)
+class _Entry:
+    key: BreakerKey
+    last_active: float
+    evidence: dict[Family, _Evidence] = field(default_factory=dict)
+    signatures: dict[str, SignatureHistory] = field(default_factory=dict)
+    hard: dict[Cause, _HardExclusion] = field(default_factory=dict)
+    # The breaker.
+    open: bool = False
+    since: float = 0.0  # when this open episode began
+    opened_at: float = 0.0  # the latest trip (a failed probe re-opens)
+    until: float = 0.0  # end of the cooldown; half-open from then on
+    reason: Reason | None = None
+    trigger: Trigger | None = None
+    detail: str = ""
+    trips: int = 0
+    consecutive: int = 0
+    recovered_at: float | None = None
+    probe_at: float | None = None
+    probe_until: float = 0.0
+    half_open_reported: bool = False
+
+    def is_active(self) -> bool:
+        return self.open or any(hard.active for hard in self.hard.values())
+
+    def reset_evidence(self, now: float) -> None:
+        for evidence in self.evidence.values():
+            evidence.reset(now)
+
+
+# --- the breakers -----------------------------------------------------------------------------
+
+
+def _all_on(_provider: str) -> DegradedOutputSettings:
+    return DegradedOutputSettings()
+
+
+class Breakers:
+    """Every breaker and hard exclusion of one proxy process, keyed by provider, (provider,
+    model) or (provider, model, machine). Pure: `now` is passed in (seconds, any clock, one
+    clock throughout) and jitter comes from `rng`. Not thread-safe; the proxy's event loop
+    is its only caller.
+
+    `settings_for(provider)` gives that provider's BreakerSettings and is asked on every
+    call, so a reloaded configuration applies at once; `degraded_for(provider)` which
+    degraded answers count (all, by default).
+    """
+
+    def __init__(
+        self,
+        settings_for: Callable[[str], BreakerSettings],
+        rng: random.Random,
+        *,
+        degraded_for: Callable[[str], DegradedOutputSettings] = _all_on,
+        burst_seconds: float = BURST_SECONDS,
+        probe_lease_seconds: float = PROBE_LEASE_SECONDS,
+        max_keys: int = MAX_KEYS,
+    ) -> None:
+        if burst_seconds <= 0 or probe_lease_seconds <= 0 or max_keys < 1:
+            raise ValueError("burst_seconds, probe_lease_seconds and max_keys must be positive")
+        self._settings_for = settings_for
+        self._degraded_for = degraded_for
+        self._rng = rng
+        self._burst = burst_seconds
+        self._lease = probe_lease_seconds
+        self._max_keys = max_keys
+        self._entries: OrderedDict[BreakerKey, _Entry] = OrderedDict()
+        # Keys with an open breaker or an active hard exclusion, in the order they became so.
+        self._active: dict[BreakerKey, None] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- recording ------------------------------------------------------------------------
+
+    def record(self, outcome: Outcome, now: float) -> list[Transition]:
+        """Record one finished attempt; returns the transitions it caused."""
+        settings = self._settings_for(outcome.provider)
+        samples, hard, answered = _classify(outcome, settings, self._degraded_for(outcome.provider))
+        transitions: list[Transition] = []
+        faults = {sample.key: sample for sample in samples if sample.signature is not None}
+
+        for key in covering_keys(outcome.provider, outcome.model, outcome.machine):
+            entry = self._entries.get(key)
+            if entry is None or not entry.open or now < entry.until:
+                continue  # closed, or open and this is a straggler: no state change
+            if outcome.started_at is not None and outcome.started_at < entry.opened_at:
+                continue  # sent before the trip: says nothing about the re-probe
+            fault = faults.get(key)
+            if fault is not None:
+                detail = f"the re-probe failed: {fault.signature}"
+                reason = REASON_OF_FAMILY[fault.family]
+                transitions.append(self._trip(entry, reason, Trigger.PROBE, detail, now, settings))
+            elif answered:
+                transitions.append(self._recover(entry, now))
+            else:
+                entry.probe_at = None  # inconclusive: let another probe through
+
+        for sample in samples:
+            entry = self._entry(sample.key, now)
+            if sample.signature is not None:
+                self._history(entry, sample.signature, settings).add(now)
+            if entry.open:
+                continue  # evidence while open is not kept: the window restarts on recovery
+            evidence = self._evidence(entry, sample.family, settings, now)
+            evidence.add(sample.signature is not None, now)
+            tripped = self._evaluate(entry, sample, evidence, settings, now)
+            if tripped is not None:
+                transitions.append(tripped)
+
+        if hard is not None:
+            transitions.extend(self._impose(hard, outcome.retry_after, now, settings))
+        if answered:
+            for key in covering_keys(outcome.provider, outcome.model, outcome.machine):
+                found = self._entries.get(key)
+                if found is not None:
+                    for exclusion in found.hard.values():
+                        if not (exclusion.active and exclusion.until > now):
+                            exclusion.streak = 0
+        self._evict(now)
+        return transitions
+
+    def _evaluate(
+        self,
+        entry: _Entry,
+        sample: _Sample,
+        evidence: _Evidence,
+        settings: BreakerSettings,
+        now: float,
+    ) -> Transition | None:
+        reason = REASON_OF_FAMILY[sample.family]
+        noun, faulty = _FAULTY[sample.family]
+        # The rate arm, on every sample: the rate is over the window, whatever this one was.
+        count, faults = evidence.rate.count, evidence.rate.faults
+        if count >= settings.rate_min_samples and faults > settings.rate_threshold * count:
+            detail = (
+                f"{faults} of the last {count} {noun} {faulty} ({faults / count:.0%}), "
+                f"above {settings.rate_threshold:.0%}"
+            )
+            return self._trip(entry, reason, Trigger.RATE, detail, now, settings)
+        if sample.signature is None:
+            return None
+        # The count arms, on a fault: novelty against the baseline, then a count in the burst.
+        start = max(now - self._burst, evidence.counted_from)
+        history = entry.signatures[sample.signature]
+        seen = history.count_after(start)
+        familiar = history.seen_between(now - settings.novelty_window_seconds, start)
+        needed = settings.familiar_signature_count if familiar else settings.novel_signature_count
+        if seen < needed:
+            return None
+        calls = evidence.calls.count_since(start)
+        faults_in_burst = evidence.faults.count_since(start)
+        if familiar and faults_in_burst < settings.rate_threshold * calls:
+            # A familiar signature is background noise; its count must be a burst, not a
+            # trickle that heavy traffic makes long. A new one trips at its count (SPEC A7).
+            return None
+        kind = "familiar" if familiar else "new"
+        detail = f"{seen} {kind} {sample.signature} within {self._burst:g} s"
+        trigger = Trigger.COUNT if familiar else Trigger.NOVELTY
+        return self._trip(entry, reason, trigger, detail, now, settings)
+
+    def _trip(
+        self,
+        entry: _Entry,
+        reason: Reason,
+        trigger: Trigger,
+        detail: str,
+        now: float,
+        settings: BreakerSettings,
+    ) -> Transition:
+        flapping = (
+            entry.recovered_at is not None
+            and now - entry.recovered_at <= settings.max_cooldown_seconds
+        )
+        if not entry.open:
+            entry.since = now
+        entry.consecutive = entry.consecutive + 1 if entry.open or flapping else 1
+        cooldown = self._cooldown(settings, entry.consecutive)
+        entry.open = True
+        entry.opened_at = now
+        entry.until = now + cooldown
+        entry.reason = reason
+        entry.trigger = trigger
+        entry.detail = detail
+        entry.trips += 1
+        entry.probe_at = None
+        entry.half_open_reported = False
+        entry.reset_evidence(now)
+        self._active[entry.key] = None
+        return Transition(
+            TransitionKind.TRIPPED,
+            entry.key,
+            Cause.BREAKER,
+            reason,
+            now,
+            entry.until,
+            entry.trips,
+            trigger,
+            f"{detail}; out for {cooldown:.0f} s",
+        )
+
+    def _recover(self, entry: _Entry, now: float) -> Transition:
+        assert entry.reason is not None
+        entry.open = False
+        entry.recovered_at = now
+        entry.probe_at = None
+        entry.reset_evidence(now)
+        if not entry.is_active():
+            self._active.pop(entry.key, None)
+        return Transition(
+            TransitionKind.RECOVERED,
+            entry.key,
+            Cause.BREAKER,
+            entry.reason,
+            now,
+            None,
+            entry.trips,
+            entry.trigger,
+            "a clean answer after the cooldown",
+        )
+
+    def _impose(
+        self, hard: _Hard, retry_after: float | None, now: float, settings: BreakerSettings
+    ) -> list[Transition]:
+        entry = self._entry(hard.key, now)
+        exclusion = entry.hard.get(hard.cause)
+        if exclusion is None:
+            exclusion = entry.hard[hard.cause] = _HardExclusion()
+        transitions: list[Transition] = []
+        reason = REASON_OF_CAUSE[hard.cause]
+        told = hard.cause is Cause.RATE_LIMITED and retry_after is not None
+        if exclusion.active and exclusion.until > now:
+            # Attempts already in flight when it was imposed: only the upstream's own word
+            # (a longer Retry-After) changes anything; they do not escalate it.
+            if told and retry_after is not None:
+                duration = min(max(retry_after, 0.0), MAX_RETRY_AFTER_SECONDS)
+                if now + duration > exclusion.until:
+                    exclusion.until = now + duration
+                    exclusion.detail = f"HTTP 429 with Retry-After {duration:g} s"
+            return transitions
+        if exclusion.active:
+            transitions.append(self._lift(entry, hard.cause, exclusion, exclusion.until))
+        stale = exclusion.last_at is not None and (
+            now - exclusion.last_at > settings.max_cooldown_seconds
+        )
+        exclusion.streak = 1 if stale else exclusion.streak + 1
+        exclusion.last_at = now
+        if told and retry_after is not None:
+            duration = min(max(retry_after, 0.0), MAX_RETRY_AFTER_SECONDS)
+            detail = f"HTTP 429 with Retry-After {duration:g} s"
+        else:
+            duration = self._cooldown(settings, exclusion.streak)
+            detail = f"HTTP {hard.status}; re-checked after {duration:.0f} s"
+        if duration <= 0:
+            return transitions
+        exclusion.active = True
+        exclusion.since = now
+        exclusion.until = now + duration
+        exclusion.detail = detail
+        exclusion.trips += 1
+        self._active[entry.key] = None
+        transitions.append(
+            Transition(
+                TransitionKind.TRIPPED,
+                entry.key,
+                hard.cause,
+                reason,
+                now,
+                exclusion.until,
+                exclusion.trips,
+                Trigger.STATUS,
+                detail,
+            )
+        )
+        return transitions
+
+    def _lift(
+        self, entry: _Entry, cause: Cause, exclusion: _HardExclusion, at: float
+    ) -> Transition:
+        exclusion.active = False
+        return Transition(
+            TransitionKind.RECOVERED,
+            entry.key,
+            cause,
+            REASON_OF_CAUSE[cause],
+            at,
+            None,
+            exclusion.trips,
+            Trigger.STATUS,
+            "expired",
+        )
+
+    def _cooldown(self, settings: BreakerSettings, consecutive: int) -> float:
+        """cooldown * multiplier^(consecutive - 1), capped, then +- jitter_fraction."""
+        cap = max(settings.max_cooldown_seconds, settings.cooldown_seconds)
+        value = settings.cooldown_seconds
+        for _ in range(min(consecutive - 1, _MAX_DOUBLINGS)):
+            value *= settings.backoff_multiplier
+            if value >= cap:
+                break
+        value = min(value, cap)
+        if settings.jitter_fraction > 0:
+            value *= 1 + self._rng.uniform(-settings.jitter_fraction, settings.jitter_fraction)
+        return value
+
+    # -- asking ---------------------------------------------------------------------------
+
+    def exclusions(
+        self, provider: str, model: str, machine: str | None, now: float
+    ) -> list[Exclusion]:
+        """Every reason the candidate may not be sent to now (empty: it may)."""
+        return self._check(provider, model, machine, now)[0]
+
+    def exclusion(
+        self, provider: str, model: str, machine: str | None, now: float
+    ) -> Exclusion | None:
+        """Why the candidate may not be sent to now: the exclusion lasting longest, or None.
+
+        A read, changing nothing: a half-open key whose probe slot is free reads as None. To
+        send, call `admit`, which takes that slot; a second caller is then refused."""
+        return _longest(self._check(provider, model, machine, now)[0])
+
+    def admit(
+        self,
+        provider: str,
+        model: str,
+        machine: str | None,
+        now: float,
+        *,
+        probe_lease: float | None = None,
+    ) -> Admission:
+        """Decide whether to send this attempt, immediately before sending it.
+
+        Half-open keys over the candidate admit exactly one attempt, which becomes their
+        probe (`Admission.probes`) and holds the slot until its outcome is recorded, it is
+        `release`d, or `probe_lease` (default PROBE_LEASE_SECONDS) passes."""
+        refused, half_open = self._check(provider, model, machine, now)
+        if refused:
+            return Admission(False, _longest(refused), (), now)
+        lease = self._lease if probe_lease is None else probe_lease
+        for entry in half_open:
+            entry.probe_at = now
+            entry.probe_until = now + lease
+        return Admission(True, None, tuple(entry.key for entry in half_open), now)
+
+    def release(self, admission: Admission) -> None:
+        """Give back the probe slots of an admitted attempt that ended without an outcome
+        (the client went away, the attempt was never sent)."""
+        for key in admission.probes:
+            entry = self._entries.get(key)
+            if entry is not None and entry.probe_at == admission.at:
+                entry.probe_at = None
+
+    def _check(
+        self, provider: str, model: str, machine: str | None, now: float
+    ) -> tuple[list[Exclusion], list[_Entry]]:
+        refused: list[Exclusion] = []
+        half_open: list[_Entry] = []
+        for key in covering_keys(provider, model, machine):
+            entry = self._entries.get(key)
+            if entry is None:
+                continue
+            for cause, hard in entry.hard.items():
+                if hard.active and hard.until > now:
+                    refused.append(
+                        Exclusion(
+                            key,
+                            cause,
+                            REASON_OF_CAUSE[cause],
+                            State.OPEN,
+                            hard.since,
+                            hard.until,
+                            Trigger.STATUS,
+                            hard.detail,
+                        )
+                    )
+            if not entry.open:
+                continue
+            assert entry.reason is not None
+            assert entry.trigger is not None
+            if now < entry.until:
+                refused.append(
+                    Exclusion(
+                        key,
+                        Cause.BREAKER,
+                        entry.reason,
+                        State.OPEN,
+                        entry.since,
+                        entry.until,
+                        entry.trigger,
+                        entry.detail,
+                    )
+                )
+            elif entry.probe_at is not None and now < entry.probe_until:
+                refused.append(
+                    Exclusion(
+                        key,
+                        Cause.BREAKER,
+                        entry.reason,
+                        State.HALF_OPEN,
+                        entry.since,
+                        entry.probe_until,
+                        entry.trigger,
+                        "a re-probe is in flight",
+                    )
+                )
+            else:
+                half_open.append(entry)
+        return refused, half_open
+
+    # -- time passing and reporting -------------------------------------------------------
+
+    def poll(self, now: float) -> list[Transition]:
+        """Transitions time alone causes: a cooldown ending (half-opened) and a hard
+        exclusion expiring (recovered). Call it periodically; O(active keys)."""
+        transitions: list[Transition] = []
+        for key in list(self._active):
+            entry = self._entries.get(key)
+            if entry is None:
+                del self._active[key]
+                continue
+            if entry.open and now >= entry.until and not entry.half_open_reported:
+                entry.half_open_reported = True
+                assert entry.reason is not None
+                transitions.append(
+                    Transition(
+                        TransitionKind.HALF_OPENED,
+                        key,
+                        Cause.BREAKER,
+                        entry.reason,
+                        entry.until,
+                        None,
+                        entry.trips,
+                        entry.trigger,
+                        "cooldown over: one re-probe allowed",
+                    )
+                )
+            for cause, hard in entry.hard.items():
+                if hard.active and hard.until <= now:
+                    transitions.append(self._lift(entry, cause, hard, hard.until))
+            if not entry.is_active():
+                del self._active[key]
+        return transitions
+
+    def snapshot(self, now: float, *, include_closed: bool = True) -> list[BreakerState]:
+        """Every tracked key's breaker, and each active hard exclusion as its own row,
+        sorted by key then cause. For status reports and metrics."""
+        states: list[BreakerState] = []
+        for entry in self._entries.values():
+            if entry.open:
+                half_open = now >= entry.until
+                states.append(
+                    BreakerState(
+                        entry.key,
+                        Cause.BREAKER,
+                        State.HALF_OPEN if half_open else State.OPEN,
+                        entry.reason,
+                        entry.since,
+                        None if half_open else entry.until,
+                        entry.trips,
+                        entry.trigger,
+                        entry.detail,
+                    )
+                )
+            elif include_closed:
+                states.append(
+                    BreakerState(
+                        entry.key,
+                        Cause.BREAKER,
+                        State.CLOSED,
+                        entry.reason,
+                        None,
+                        None,
+                        entry.trips,
+                        entry.trigger,
+                        "",
+                    )
+                )
+            for cause, hard in entry.hard.items():
+                if hard.active and hard.until > now:
+                    states.append(
+                        BreakerState(
+                            entry.key,
+                            cause,
+                            State.OPEN,
+                            REASON_OF_CAUSE[cause],
+                            hard.since,
+                            hard.until,
+                            hard.trips,
+                            Trigger.STATUS,
+                            hard.detail,
+                        )
+                    )
+        states.sort(key=lambda state: (*_sort_key(state.key), state.cause.value))
+        return states
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def _entry(self, key: BreakerKey, now: float) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(key, now)
+        else:
+            self._entries.move_to_end(key)
+            entry.last_active = max(entry.last_active, now)
+        return entry
+
+    def _evidence(
+        self, entry: _Entry, family: Family, settings: BreakerSettings, now: float
+    ) -> _Evidence:
+        evidence = entry.evidence.get(family)
+        if evidence is None:
+            # Faults from before the key last changed state were spent on that change.
+            changed = entry.recovered_at if entry.recovered_at is not None else float("-inf")
+            evidence = entry.evidence[family] = _Evidence(
+                RateWindow(settings.rate_window),
+                CallBuckets(self._burst),
+                CallBuckets(self._burst),
+                changed,
+            )
+        elif evidence.rate.size != settings.rate_window:
+            evidence.rate = evidence.rate.resized(settings.rate_window)
+        return evidence
+
+    def _history(
+        self, entry: _Entry, signature: str, settings: BreakerSettings
+    ) -> SignatureHistory:
+        needed = min(
+            max(settings.novel_signature_count, settings.familiar_signature_count), MAX_HISTORY
+        )
+        history = entry.signatures.get(signature)
+        if history is None:
+            if len(entry.signatures) >= MAX_SIGNATURES_PER_KEY:
+                stalest = min(entry.signatures, key=lambda name: entry.signatures[name].last)
+                del entry.signatures[stalest]
+            history = entry.signatures[signature] = SignatureHistory(
+                needed, settings.novelty_window_seconds, self._burst
+            )
+        else:
+            history.ensure(needed, settings.novelty_window_seconds, self._burst)
+        return history
+
+    def _evict(self, now: float) -> None:
+        # Closed keys idle for longer than their novelty window hold nothing worth keeping.
+        for key in list(islice(self._entries, 8)):
+            entry = self._entries[key]
+            if entry.is_active():
+                continue
+            idle = now - entry.last_active
+            if idle > self._settings_for(key.provider).novelty_window_seconds:
+                del self._entries[key]
+        while len(self._entries) > self._max_keys:
+            victim = next(
+                (key for key, entry in self._entries.items() if not entry.is_active()),
+                next(iter(self._entries)),
+            )
+            del self._entries[victim]
+            self._active.pop(victim, None)
+
+
+def _longest(exclusions: list[Exclusion]) -> Exclusion | None:
+    if not exclusions:
+        return None
+    return max(exclusions, key=lambda e: float("inf") if e.until is None else e.until)
+
+
+def _sort_key(key: BreakerKey) -> tuple[str, str, str]:
+    return (key.provider, key.model or "", key.machine or "")
