@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,18 +15,23 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import BreakerSettings, DegradedOutputSettings, ProxyConfig
 
+from .breaker import Breakers
 from .chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
 from .configmap_source import ConfigMapSource
 from .credentials import KeyStore
+from .decisions import Decision, DecisionLog
+from .dispatch import Dispatcher
 from .errors import ProxyError
 from .metrics import ProxyMetrics
-from .relay import RelayContext, relay
-from .routing import plan_attempts
+from .relay import RelayContext
 from .settings import ProxySettings
+from .verdicts import VerdictLog
 
 log = logging.getLogger("rolegate.proxy")
+
+BREAKER_TICK_SECONDS = 1.0
 
 
 @dataclass
@@ -38,6 +44,25 @@ class ProxyState:
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
     session: aiohttp.ClientSession | None = None
     source: ConfigMapSource | None = None
+    decisions: DecisionLog = field(default_factory=DecisionLog)
+    dispatcher: Dispatcher = field(init=False)
+
+    def __post_init__(self) -> None:
+        rng = random.Random()
+        self.dispatcher = Dispatcher(
+            breakers=Breakers(self._breaker_settings, rng, degraded_for=self._degraded_settings),
+            verdicts=VerdictLog(),
+            rng=rng,
+        )
+        self.dispatcher.listeners.append(self.metrics.on_transition)
+
+    def _breaker_settings(self, provider: str) -> BreakerSettings:
+        found = self.config.provider(provider)
+        return found.breaker if found is not None else BreakerSettings()
+
+    def _degraded_settings(self, provider: str) -> DegradedOutputSettings:
+        found = self.config.provider(provider)
+        return found.degraded_output if found is not None else DegradedOutputSettings()
 
     async def swap_config(self, config: ProxyConfig) -> None:
         """Serve `config` from the next request on; requests in flight keep theirs."""
@@ -76,6 +101,7 @@ def create_app(
     app[STATE] = state
     app.cleanup_ctx.append(_upstream_session)
     app.cleanup_ctx.append(_key_refresher)
+    app.cleanup_ctx.append(_breaker_clock)
     if source is not None:
         app.cleanup_ctx.append(_config_watch)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -112,6 +138,25 @@ async def _key_refresher(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
+async def _breaker_clock(app: web.Application) -> AsyncIterator[None]:
+    """Time alone moves breakers (open to half-open, exclusions expiring): poll it."""
+    state = app[STATE]
+    dispatcher = state.dispatcher
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(BREAKER_TICK_SECONDS)
+            for transition in dispatcher.breakers.poll(dispatcher.now()):
+                dispatcher.on_transition(transition)
+            state.metrics.observe_breakers(dispatcher.breakers.snapshot(dispatcher.now()))
+
+    task = asyncio.create_task(tick(), name="rolegate-breaker-clock")
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def _config_watch(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     source = state.source
@@ -136,6 +181,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     base_headers = {"X-Request-Id": request_id}
     role_name = "-"
     status = 500
+    decision: Decision | None = None
     try:
         raw = await _read_body(request, state.settings.max_body_bytes)
         body = parse_body(raw)
@@ -151,7 +197,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             request_id=request_id,
             base_headers=base_headers,
         )
-        response = await relay(request, chat, plan_attempts(role, config), ctx)
+        decision = Decision(
+            request_id=request_id,
+            role=role.name,
+            ruling=role.effective_ruling.value,
+            started_at=state.dispatcher.now(),
+        )
+        response = await state.dispatcher.handle(request, chat, config, ctx, decision)
         status = response.status
         return response
     except ProxyError as error:
@@ -161,6 +213,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         status = 499  # the client went away; nginx's convention, for metrics only
         raise
     finally:
+        if decision is not None:
+            state.decisions.append(decision)
         state.metrics.requests.labels(role_name, str(status)).inc()
         state.metrics.latency.labels(role_name).observe(time.perf_counter() - started)
         log.info(

@@ -29,6 +29,12 @@ class ChatRequest:
     def prompt_is_ascii(self) -> bool:
         return self.prompt.is_ascii
 
+    def client_capped(self, finish_reason: str | None) -> bool:
+        """The answer stopped at the caller's own token limit: not the model's fault."""
+        return finish_reason == "length" and (
+            "max_tokens" in self.body or "max_completion_tokens" in self.body
+        )
+
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     try:

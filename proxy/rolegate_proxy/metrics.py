@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .exclusions import BreakerState, State, Transition
 
 
 class ProxyMetrics:
@@ -60,3 +64,53 @@ class ProxyMetrics:
             "1 while the Kubernetes API answers the configuration watch, else 0.",
             registry=self.registry,
         )
+        self.verdicts = Counter(
+            "rolegate_verdicts",
+            "Structural verdicts on answers that were not ok, by provider, model, verdict, "
+            "signature and whether the model was at fault.",
+            ["provider", "model", "verdict", "signature", "attributable"],
+            registry=self.registry,
+        )
+        self.answers = Counter(
+            "rolegate_answers",
+            "Answers judged, by provider and model (the denominator of the verdict rates).",
+            ["provider", "model"],
+            registry=self.registry,
+        )
+        self.trips = Counter(
+            "rolegate_breaker_transitions",
+            "Breaker and exclusion transitions (tripped, half_opened, recovered) by scope, "
+            "provider, cause and reason.",
+            ["provider", "scope", "kind", "cause", "reason"],
+            registry=self.registry,
+        )
+        self.breaker_open = Gauge(
+            "rolegate_breaker_open",
+            "1 for each key currently excluded (Open or HalfOpen), by provider, model, machine "
+            "and cause.",
+            ["provider", "model", "machine", "cause", "state"],
+            registry=self.registry,
+        )
+
+    def on_transition(self, transition: Transition) -> None:
+        self.trips.labels(
+            transition.key.provider,
+            transition.key.scope.value,
+            transition.kind.value,
+            transition.cause.value,
+            transition.reason.value,
+        ).inc()
+
+    def observe_breakers(self, states: Iterable[BreakerState]) -> None:
+        self.breaker_open.clear()
+        for state in states:
+            if state.state is State.CLOSED:
+                continue
+            key = state.key
+            self.breaker_open.labels(
+                key.provider,
+                key.model or "",
+                key.machine or "",
+                state.cause.value,
+                state.state.value,
+            ).set(1)

@@ -10,18 +10,18 @@ the client receives an error event instead (SPEC E4).
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
+from .breaker import TransportFault
 from .chat_request import ChatRequest
 from .credentials import KeyStore
-from .errors import ProxyError
 from .metrics import ProxyMetrics
 from .routing import Attempt
 from .sse import Event, EventFramer, MalformedEvent, decode_event_json, encode_event
@@ -30,10 +30,13 @@ from .upstream import (
     chat_url,
     describe_client_error,
     failure_from_status,
+    machine_named_in,
     timeouts,
+    transport_failure,
     upstream_body,
     upstream_headers,
 )
+from .verdicts import judge
 
 log = logging.getLogger("rolegate.proxy")
 
@@ -71,69 +74,109 @@ class RelayContext:
     base_headers: dict[str, str] = field(default_factory=dict)
 
 
-async def relay(
-    request: web.Request, chat: ChatRequest, attempts: Sequence[Attempt], ctx: RelayContext
-) -> web.StreamResponse:
-    failures: list[UpstreamFailure] = []
-    for attempt in attempts:
-        try:
-            if chat.stream:
-                return await _stream_attempt(request, chat, attempt, ctx)
-            return await _complete_attempt(chat, attempt, ctx)
-        except UpstreamFailure as failure:
-            failures.append(failure)
-            ctx.metrics.attempt_failures.labels(attempt.provider.name, _failure_kind(failure)).inc()
-            if not failure.retryable:
-                break
-    raise _exhausted(chat, attempts, failures)
+@dataclass(slots=True)
+class Answer:
+    """What an attempt produced, for the verdict; the text lives only until it is judged."""
+
+    served: Served
+    text: str
+    finish_reason: str | None
+    has_tool_calls: bool
 
 
-async def _complete_attempt(chat: ChatRequest, attempt: Attempt, ctx: RelayContext) -> web.Response:
+@dataclass(slots=True)
+class Completed:
+    response: web.Response
+    answer: Answer
+
+
+async def complete_once(
+    chat: ChatRequest, attempt: Attempt, ctx: RelayContext, remaining: float
+) -> Completed:
+    """One non-streamed attempt; raises UpstreamFailure when it produced nothing usable."""
     headers = upstream_headers(attempt, ctx.keys, stream=False)
     try:
         async with ctx.session.post(
             chat_url(attempt),
             data=upstream_body(chat.body, attempt),
             headers=headers,
-            timeout=timeouts(attempt, chat.role, stream=False),
+            timeout=timeouts(attempt, chat.role, stream=False, remaining=remaining),
         ) as upstream:
             raw = await upstream.read()
             if upstream.status != 200:
                 raise failure_from_status(attempt, upstream.status, raw, upstream.headers)
     except TRANSPORT_ERRORS as exc:
-        raise UpstreamFailure(attempt, describe_client_error(exc)) from None
+        raise transport_failure(attempt, exc, during_stream=False) from None
     try:
         # Decoded as UTF-8 whatever the Content-Type says (SPEC A1); we forward `raw`.
-        payload = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise UpstreamFailure(attempt, "answered 200 with a body that is not UTF-8 JSON") from None
+        payload = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise UpstreamFailure(
+            attempt,
+            "answered 200 with a body that is not UTF-8 JSON",
+            transport=TransportFault.BROKEN_STREAM,
+        ) from None
     if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list):
         detail = "answered 200 without `choices`"
         if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
             detail = "answered 200 with an error object"
-        raise UpstreamFailure(attempt, detail)
+        raise UpstreamFailure(
+            attempt,
+            detail,
+            transport=TransportFault.STREAM_ERROR,
+            machine=machine_named_in(payload if isinstance(payload, dict) else None),
+        )
     served = _served_from(payload, attempt)
-    return web.Response(
+    message = _first_message(payload)
+    answer = Answer(
+        served=served,
+        text=content if isinstance(content := message.get("content"), str) else "",
+        finish_reason=_first_finish_reason(payload),
+        has_tool_calls=bool(message.get("tool_calls")),
+    )
+    response = web.Response(
         body=raw,
         content_type="application/json",
         charset="utf-8",
         headers={**ctx.base_headers, **served.headers()},
     )
+    return Completed(response, answer)
 
 
-async def _stream_attempt(
-    request: web.Request, chat: ChatRequest, attempt: Attempt, ctx: RelayContext
-) -> web.StreamResponse:
+@dataclass(slots=True)
+class OpenStream:
+    """A stream that has produced its first content, not yet committed to the client."""
+
+    attempt: Attempt
+    upstream: aiohttp.ClientResponse
+    held: list[Event | Chunk]
+    reads: AsyncIterator[list[Event | Chunk]]
+    served: Served
+
+    def close(self) -> None:
+        # Fully read: the connection goes back to the pool. Otherwise (the client left,
+        # the stream broke) it is closed, so the upstream sees it and stops generating.
+        if not self.upstream.closed and self.upstream.content.at_eof():
+            self.upstream.release()
+        else:
+            self.upstream.close()
+
+
+async def open_stream(
+    chat: ChatRequest, attempt: Attempt, ctx: RelayContext, remaining: float
+) -> OpenStream:
+    """Send one streamed attempt and wait for its first content (or its end): until then a
+    failure is invisible to the client and raises UpstreamFailure."""
     headers = upstream_headers(attempt, ctx.keys, stream=True)
     try:
         upstream = await ctx.session.post(
             chat_url(attempt),
             data=upstream_body(chat.body, attempt),
             headers=headers,
-            timeout=timeouts(attempt, chat.role, stream=True),
+            timeout=timeouts(attempt, chat.role, stream=True, remaining=remaining),
         )
     except TRANSPORT_ERRORS as exc:
-        raise UpstreamFailure(attempt, describe_client_error(exc)) from None
+        raise transport_failure(attempt, exc, during_stream=False) from None
     try:
         if upstream.status != 200:
             try:
@@ -145,27 +188,64 @@ async def _stream_attempt(
             # Noted, never failed: this header is why latin-1 fallbacks mangle text (A1).
             ctx.metrics.missing_charset.labels(attempt.provider.name).inc()
         reads = _reads(upstream, ctx, attempt)
-        held, served = await _hold_until_content(reads, attempt)
-        response = web.StreamResponse(
-            headers={
-                **ctx.base_headers,
-                **served.headers(),
-                "Content-Type": "text/event-stream; charset=utf-8",
-                "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no",
-            }
-        )
+        held = await _hold_until_content(reads, attempt)
+        if held.empty:
+            verdict = judge(
+                "",
+                finish_reason=held.finish_reason,
+                has_tool_calls=False,
+                status=200,
+                prompt=chat.prompt,
+                client_capped=chat.client_capped(held.finish_reason),
+            )
+            if verdict.steers:
+                # Empty on 200 before anything reached the client: another machine or
+                # model may still answer (SPEC A2, E4).
+                raise UpstreamFailure(
+                    attempt,
+                    "answered 200 with an empty completion",
+                    status=200,
+                    machine=held.served.machine if attempt.is_aggregator else None,
+                    verdict=verdict,
+                )
+    except BaseException:
+        upstream.close()
+        raise
+    return OpenStream(attempt, upstream, held.items, reads, held.served)
+
+
+@dataclass(slots=True)
+class StreamEnd:
+    response: web.StreamResponse
+    answer: Answer
+    # Set when the stream did not end with [DONE]: how it failed, for the breaker.
+    fault: TransportFault | None = None
+    detail: str = ""
+
+
+async def relay_stream(request: web.Request, opened: OpenStream, ctx: RelayContext) -> StreamEnd:
+    """Commit to the client and forward the rest; never a truncated answer as complete."""
+    response = web.StreamResponse(
+        headers={
+            **ctx.base_headers,
+            **opened.served.headers(),
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",
+        }
+    )
+    try:
         await response.prepare(request)
-        await _forward(response, held, reads)
-        return response
+        state = await _forward(response, opened.held, opened.reads)
     finally:
-        # On success the body is fully read and this returns the connection to the pool;
-        # on cancellation (the client left) or failure it closes it, so the upstream sees
-        # the disconnect and stops generating.
-        if not upstream.closed and upstream.content.at_eof():
-            upstream.release()
-        else:
-            upstream.close()
+        opened.close()
+    answer = Answer(
+        served=opened.served,
+        text="".join(state.text),
+        finish_reason=state.finish_reason,
+        has_tool_calls=state.tool_calls,
+    )
+    return StreamEnd(response, answer, state.fault, state.problem or "")
 
 
 async def _reads(
@@ -204,52 +284,91 @@ def _has_content(payload: dict[str, Any]) -> bool:
     return False
 
 
-async def _hold_until_content(
-    reads: AsyncIterator[list[Event | Chunk]], attempt: Attempt
-) -> tuple[list[Event | Chunk], Served]:
-    """Everything up to and including the first content (or [DONE]), plus whatever else
-    arrived in the same read; raises UpstreamFailure if the attempt fails before that."""
+@dataclass(slots=True)
+class _Held:
+    items: list[Event | Chunk]
+    served: Served
+    # The stream reached its finish (or [DONE]) without any content or tool call.
+    empty: bool
+    finish_reason: str | None
+
+
+async def _hold_until_content(reads: AsyncIterator[list[Event | Chunk]], attempt: Attempt) -> _Held:
+    """Everything up to and including the first content (or the finish, or [DONE]), plus
+    whatever else arrived in the same read; raises UpstreamFailure if the attempt fails
+    before that."""
     held: list[Event | Chunk] = []
     served: Served | None = None
+    empty = False
+    finish_reason: str | None = None
     try:
         async for items in reads:
             for index, item in enumerate(items):
                 if isinstance(item, Event):
                     if item.is_done:
                         held.extend(items[index:])
+                        empty = True
                         break
                     continue  # keep-alive comments before content mean nothing to a client
                 if _is_error(item.payload):
                     raise UpstreamFailure(
-                        attempt, f"error event before any content: {_error_text(item.payload)}"
+                        attempt,
+                        f"error event before any content: {_error_text(item.payload)}",
+                        transport=TransportFault.STREAM_ERROR,
+                        machine=machine_named_in(item.payload) if attempt.is_aggregator else None,
                     )
                 if served is None:
                     served = _served_from(item.payload, attempt)
                 if _has_content(item.payload):
                     held.extend(items[index:])
+                    finish_reason = _first_finish_reason(item.payload)
+                    empty = finish_reason is not None and not _has_output(item.payload)
                     break
                 held.append(item)
             else:
                 continue
             break
         else:
-            raise UpstreamFailure(attempt, "the stream ended before any content or [DONE]")
+            raise UpstreamFailure(
+                attempt,
+                "the stream ended before any content or [DONE]",
+                transport=TransportFault.BROKEN_STREAM,
+                machine=served.machine if served and attempt.is_aggregator else None,
+            )
     except TRANSPORT_ERRORS as exc:
-        raise UpstreamFailure(attempt, describe_client_error(exc)) from None
+        failure = transport_failure(attempt, exc, during_stream=True)
+        failure.machine = served.machine if served and attempt.is_aggregator else None
+        raise failure from None
     if served is None:
-        raise UpstreamFailure(attempt, "the stream carried no chunk before [DONE]")
-    return held, served
+        raise UpstreamFailure(
+            attempt,
+            "the stream carried no chunk before [DONE]",
+            transport=TransportFault.BROKEN_STREAM,
+        )
+    return _Held(held, served, empty, finish_reason)
+
+
+def _has_output(payload: dict[str, Any]) -> bool:
+    for choice in payload.get("choices") or ():
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")):
+            return True
+    return False
 
 
 class _Forwarding:
-    """What has been relayed so far: whether the answer finished and how it ended."""
+    """What has been relayed so far: the answer's text (for its verdict, then dropped),
+    whether it finished, and how it ended."""
 
-    __slots__ = ("done", "finished", "problem")
+    __slots__ = ("done", "fault", "finish_reason", "problem", "text", "tool_calls")
 
     def __init__(self) -> None:
         self.done = False
-        self.finished = False
+        self.finish_reason: str | None = None
         self.problem: str | None = None
+        self.fault: TransportFault | None = None
+        self.text: list[str] = []
+        self.tool_calls = False
 
     def take(self, items: list[Event | Chunk]) -> bytes:
         """The bytes to send for one read's events: one write per read, not per event,
@@ -266,10 +385,25 @@ class _Forwarding:
                 self.problem = (
                     f"the upstream reported an error mid-stream: {_error_text(item.payload)}"
                 )
+                self.fault = TransportFault.STREAM_ERROR
                 break
-            self.finished = self.finished or _has_finish_reason(item.payload)
+            self._note(item.payload)
             out += item.raw
         return bytes(out)
+
+    def _note(self, payload: dict[str, Any]) -> None:
+        for choice in payload.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("finish_reason"):
+                self.finish_reason = str(choice["finish_reason"])
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                content = delta.get("content")
+                if isinstance(content, str) and content:
+                    self.text.append(content)
+                if delta.get("tool_calls"):
+                    self.tool_calls = True
 
     @property
     def over(self) -> bool:
@@ -280,7 +414,7 @@ async def _forward(
     response: web.StreamResponse,
     held: list[Event | Chunk],
     reads: AsyncIterator[list[Event | Chunk]],
-) -> None:
+) -> _Forwarding:
     state = _Forwarding()
     await response.write(state.take(held))
     try:
@@ -292,13 +426,21 @@ async def _forward(
                 await response.write(data)
     except TRANSPORT_ERRORS as exc:
         state.problem = f"the upstream stream broke: {describe_client_error(exc)}"
+        state.fault = (
+            TransportFault.TIMEOUT
+            if isinstance(exc, TimeoutError)
+            else TransportFault.BROKEN_STREAM
+        )
     if state.done:
-        return
-    problem = state.problem or (
-        "the upstream stream ended without its terminating [DONE] event"
-        if state.finished
-        else "the upstream stream was cut before the answer finished"
-    )
+        return state
+    if state.problem is None:
+        state.fault = TransportFault.BROKEN_STREAM
+        state.problem = (
+            "the upstream stream ended without its terminating [DONE] event"
+            if state.finish_reason
+            else "the upstream stream was cut before the answer finished"
+        )
+    problem = state.problem
     # Never a truncated answer presented as complete (SPEC E4): end with an error event.
     await response.write(
         encode_event(
@@ -311,17 +453,11 @@ async def _forward(
             }
         )
     )
+    return state
 
 
 def _is_error(payload: dict[str, Any]) -> bool:
     return isinstance(payload.get("error"), (dict, str))
-
-
-def _has_finish_reason(payload: dict[str, Any]) -> bool:
-    return any(
-        isinstance(choice, dict) and bool(choice.get("finish_reason"))
-        for choice in payload.get("choices") or ()
-    )
 
 
 def _served_from(payload: dict[str, Any], attempt: Attempt) -> Served:
@@ -341,57 +477,15 @@ def _error_text(payload: dict[str, Any]) -> str:
     return str(error)[:300]
 
 
-def _failure_kind(failure: UpstreamFailure) -> str:
-    if failure.status is not None:
-        return f"http_{failure.status}"
-    return "transport"
+def _first_message(payload: dict[str, Any]) -> dict[str, Any]:
+    choices = payload.get("choices") or []
+    first = choices[0] if choices and isinstance(choices[0], dict) else {}
+    message = first.get("message")
+    return message if isinstance(message, dict) else {}
 
 
-def _exhausted(
-    chat: ChatRequest, attempts: Sequence[Attempt], failures: list[UpstreamFailure]
-) -> ProxyError:
-    role = chat.role.name
-    if not attempts:
-        return ProxyError(
-            503,
-            f"Role {role!r} has no accepted provider serving any of its models "
-            f"({', '.join(chat.role.models)}); add or fix a ProviderPolicy that serves one.",
-            error_type="service_unavailable",
-            code="no_provider",
-        )
-    last = failures[-1]
-    if not last.retryable and last.status is not None:
-        # The upstream refused the request itself (e.g. 400): say so, with its words.
-        return ProxyError(
-            last.status,
-            f"Provider {last.attempt.provider.name!r} rejected the request for model "
-            f"{last.attempt.model.name!r}: {last.detail}",
-            error_type="invalid_request_error" if last.status < 500 else "upstream_error",
-            code="upstream_rejected",
-        )
-    if all(f.status == 429 for f in failures):
-        retry_after = [f.retry_after for f in failures if f.retry_after]
-        return ProxyError(
-            429,
-            f"Every upstream for role {role!r} is rate limited: "
-            + "; ".join(f.describe() for f in failures)
-            + ". Retry after the time in the Retry-After header.",
-            error_type="rate_limit_error",
-            code="upstream_rate_limited",
-            headers={"Retry-After": min(retry_after, key=_seconds)} if retry_after else None,
-        )
-    return ProxyError(
-        502,
-        f"No upstream could serve role {role!r}: "
-        + "; ".join(f.describe() for f in failures)
-        + ". Check that each ProviderPolicy endpoint is reachable and its API key is set.",
-        error_type="upstream_error",
-        code="upstream_unavailable",
-    )
-
-
-def _seconds(value: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        return float("inf")
+def _first_finish_reason(payload: dict[str, Any]) -> str | None:
+    choices = payload.get("choices") or []
+    if choices and isinstance(choices[0], dict) and choices[0].get("finish_reason"):
+        return str(choices[0]["finish_reason"])
+    return None

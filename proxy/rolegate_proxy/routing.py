@@ -1,13 +1,17 @@
-"""Which upstream attempts a request gets, in order (SPEC E1; the chooser later ranks machines).
+"""The candidates for a request, in order, and the aggregator body that routes among machines.
 
-A role lists its models in order; each model is tried on every accepted provider that
-serves it before the next model is tried. For an aggregator the body field `provider`
-carries the machines, following the role's effective ruling (SPEC B4): `Order` ranks
-them and lets the aggregator fall back, `Only` makes them a demand.
+A role lists its models in order; each model is a candidate on every accepted provider that
+serves it, before the next model is. Which machines of a candidate may be sent to is the
+breaker's decision (dispatch.py); this module turns that into the aggregator's `provider`
+object following the role's effective ruling (SPEC B4): `Order` ranks the admitted
+machines, puts the refused ones in `ignore` (an order is only a ranking the aggregator may
+ignore) and lets it fall back; `Only` makes the admitted set a demand. An empty admitted
+set is never sent as an empty `only`: the candidate is skipped instead.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +26,26 @@ from rolegate_policy.config import (
 
 
 @dataclass(frozen=True, slots=True)
+class Candidate:
+    provider: CompiledProvider
+    model: CompiledModel
+
+    @property
+    def is_aggregator(self) -> bool:
+        return self.provider.dialect is Dialect.AGGREGATOR
+
+    def machine_names(self) -> tuple[str, ...]:
+        return tuple(machine.name for machine in self.model.machines)
+
+
+@dataclass(frozen=True, slots=True)
 class Attempt:
+    """One upstream attempt: a candidate and, for an aggregator, its routing object."""
+
     provider: CompiledProvider
     model: CompiledModel
     # The aggregator's `provider` routing object, or None for a plain OpenAI server.
-    provider_routing: dict[str, Any] | None
+    provider_routing: dict[str, Any] | None = None
 
     @property
     def single_machine(self) -> str | None:
@@ -35,23 +54,29 @@ class Attempt:
             return self.model.machines[0].name
         return None
 
+    @property
+    def is_aggregator(self) -> bool:
+        return self.provider.dialect is Dialect.AGGREGATOR
 
-def plan_attempts(role: CompiledRole, config: ProxyConfig) -> list[Attempt]:
-    attempts: list[Attempt] = []
+
+def plan_candidates(role: CompiledRole, config: ProxyConfig) -> list[Candidate]:
+    candidates: list[Candidate] = []
     for model_name in role.models:
         for provider in config.providers:
             model = provider.model(model_name)
             if model is not None:
-                attempts.append(Attempt(provider, model, _routing(provider, model, role)))
-    return attempts
+                candidates.append(Candidate(provider, model))
+    return candidates
 
 
-def _routing(
-    provider: CompiledProvider, model: CompiledModel, role: CompiledRole
-) -> dict[str, Any] | None:
-    if provider.dialect is not Dialect.AGGREGATOR:
-        return None
-    machines = [machine.name for machine in model.machines]
-    if role.effective_ruling is Ruling.ONLY and machines:
-        return {"only": machines, "allow_fallbacks": False}
-    return {"order": machines, "allow_fallbacks": True}
+def aggregator_routing(
+    role: CompiledRole, admitted: Sequence[str], refused: Sequence[str]
+) -> dict[str, Any]:
+    if not admitted:
+        raise ValueError("an empty admitted set must never become a routing object")
+    if role.effective_ruling is Ruling.ONLY:
+        return {"only": list(admitted), "allow_fallbacks": False}
+    routing: dict[str, Any] = {"order": list(admitted), "allow_fallbacks": True}
+    if refused:
+        routing["ignore"] = list(refused)
+    return routing

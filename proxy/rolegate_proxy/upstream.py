@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import aiohttp
@@ -11,11 +12,22 @@ import orjson
 
 from rolegate_policy.config import CompiledRole
 
+from .breaker import TransportFault
 from .credentials import KeyStore
+from .exclusions import is_request_fault
 from .routing import Attempt
+from .verdicts import Verdict
 
-# Statuses worth another machine or model: the fault is the upstream's, not the request's.
-RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504, 520, 522, 524, 529})
+
+class RequestFault(StrEnum):
+    """A 4xx about the request itself: never resent unchanged to the same model (SPEC E4)."""
+
+    # Too long for this model: a later model of the role may have a larger context.
+    CONTEXT_LENGTH = "context_length"
+    # Refused by a content filter: about the request, goes back to the client as it is.
+    CONTENT_FILTER = "content_filter"
+    # Anything else the upstream says is wrong with the request.
+    INVALID = "invalid"
 
 
 @dataclass
@@ -25,13 +37,27 @@ class UpstreamFailure(Exception):
     attempt: Attempt
     detail: str
     status: int | None = None
-    retryable: bool = True
     retry_after: str | None = None
     body: bytes | None = None
+    # The aggregator's machine the failure came from, when the response named it.
+    machine: str | None = None
+    transport: TransportFault | None = None
+    # A structural verdict that made a 200 answer unusable (empty, mangled).
+    verdict: Verdict | None = None
+
+    @property
+    def request_fault(self) -> RequestFault | None:
+        if self.status is None or not is_request_fault(self.status):
+            return None
+        return classify_request_fault(self.body or b"")
 
     def describe(self) -> str:
         provider = self.attempt.provider
-        return f"{provider.name} ({provider.endpoint}) for {self.attempt.model.name}: {self.detail}"
+        where = f" via {self.machine}" if self.machine else ""
+        return (
+            f"{provider.name} ({provider.endpoint}) for {self.attempt.model.name}{where}: "
+            f"{self.detail}"
+        )
 
 
 def upstream_body(body: dict[str, Any], attempt: Attempt) -> bytes:
@@ -59,7 +85,7 @@ def upstream_headers(attempt: Attempt, keys: KeyStore, stream: bool) -> dict[str
             raise UpstreamFailure(
                 attempt,
                 f"no API key for Secret {ref.name}/{ref.key}: set the {found.searched}",
-                retryable=True,
+                transport=TransportFault.CONNECTION_FAILED,
             )
         headers["Authorization"] = f"Bearer {found.value}"
     return headers
@@ -69,17 +95,33 @@ def chat_url(attempt: Attempt) -> str:
     return attempt.provider.endpoint.rstrip("/") + "/chat/completions"
 
 
-def timeouts(attempt: Attempt, role: CompiledRole, stream: bool) -> aiohttp.ClientTimeout:
+def timeouts(
+    attempt: Attempt, role: CompiledRole, stream: bool, remaining: float
+) -> aiohttp.ClientTimeout:
+    """`remaining` is what is left of the role's patience for this request."""
     settings = attempt.provider.timeouts
     if stream:
-        # Silence between two reads longer than this means the stream is stuck (E4).
-        idle = min(settings.idle_seconds, role.patience_seconds)
+        # Silence between two reads longer than this means the stream is stuck (E4): an
+        # idle limit derived from the role's patience, well before a caller gives up.
+        idle = min(settings.idle_seconds, role.patience_seconds, max(remaining, 0.05))
     else:
-        # A non-streamed answer is usable only when complete: it may take the whole patience.
-        idle = max(settings.idle_seconds, role.patience_seconds)
+        # A non-streamed answer is usable only when complete: it may take what is left.
+        idle = max(min(settings.idle_seconds, remaining), min(remaining, role.patience_seconds))
     return aiohttp.ClientTimeout(
-        total=None, connect=None, sock_connect=settings.connect_seconds, sock_read=idle
+        total=None, connect=None, sock_connect=settings.connect_seconds, sock_read=max(idle, 0.05)
     )
+
+
+def transport_failure(
+    attempt: Attempt, exc: BaseException, *, during_stream: bool
+) -> UpstreamFailure:
+    if isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)):
+        kind = TransportFault.TIMEOUT
+    elif isinstance(exc, aiohttp.ClientConnectorError):
+        kind = TransportFault.CONNECTION_FAILED
+    else:
+        kind = TransportFault.BROKEN_STREAM if during_stream else TransportFault.CONNECTION_FAILED
+    return UpstreamFailure(attempt, describe_client_error(exc), transport=kind)
 
 
 def describe_client_error(exc: BaseException) -> str:
@@ -99,25 +141,64 @@ def describe_client_error(exc: BaseException) -> str:
 def failure_from_status(
     attempt: Attempt, status: int, body: bytes, headers: Any
 ) -> UpstreamFailure:
-    message = _upstream_error_message(body)
+    payload = _json_object(body)
+    message = _error_message(payload)
     return UpstreamFailure(
         attempt,
         f"HTTP {status}" + (f": {message}" if message else ""),
         status=status,
-        retryable=status in RETRYABLE_STATUSES,
         retry_after=headers.get("Retry-After"),
         body=body,
+        machine=machine_named_in(payload) if attempt.is_aggregator else None,
     )
 
 
-def _upstream_error_message(body: bytes) -> str:
+def machine_named_in(payload: dict[str, Any] | None) -> str | None:
+    """The sub-provider an aggregator's response names: `provider` at the top level, or
+    OpenRouter's `error.metadata.provider_name`."""
+    if payload is None:
+        return None
+    named = payload.get("provider")
+    if isinstance(named, str) and named:
+        return named
+    error = payload.get("error")
+    metadata = error.get("metadata") if isinstance(error, dict) else None
+    if isinstance(metadata, dict) and isinstance(metadata.get("provider_name"), str):
+        return str(metadata["provider_name"])
+    return None
+
+
+_CONTEXT_MARKERS = ("context_length", "context length", "maximum context", "too many tokens")
+_FILTER_MARKERS = ("content_filter", "content filter", "content_policy", "moderation", "flagged")
+
+
+def classify_request_fault(body: bytes) -> RequestFault:
+    payload = _json_object(body)
+    error = payload.get("error") if payload else None
+    text = ""
+    if isinstance(error, dict):
+        text = f"{error.get('code') or ''} {error.get('type') or ''} {error.get('message') or ''}"
+    text = text.lower()
+    if any(marker in text for marker in _CONTEXT_MARKERS):
+        return RequestFault.CONTEXT_LENGTH
+    if any(marker in text for marker in _FILTER_MARKERS):
+        return RequestFault.CONTENT_FILTER
+    return RequestFault.INVALID
+
+
+def _json_object(body: bytes) -> dict[str, Any] | None:
     try:
         payload = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return payload if isinstance(payload, dict) else None
+
+
+def _error_message(payload: dict[str, Any] | None) -> str:
+    if payload is None:
         return ""
-    if isinstance(payload, dict):
-        error = payload.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            message: str = error["message"]
-            return message[:300]
+    error = payload.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        message: str = error["message"]
+        return message[:300]
     return ""

@@ -88,10 +88,11 @@ def test_compile_with_one_invalid_resource_names_file_resource_and_field(tmp_pat
     assert roles == ["agent", "batch", "reflex"]
 
 
-def test_operator_says_it_is_not_there_yet() -> None:
+def test_operator_says_what_it_needs_to_watch() -> None:
     result = run("operator")
     assert result.returncode == 2
-    assert "not available yet" in result.stderr
+    assert "--namespace" in result.stderr
+    assert "--all-namespaces" in result.stderr
 
 
 def test_proxy_refuses_to_start_with_nothing_to_serve(tmp_path: Path) -> None:

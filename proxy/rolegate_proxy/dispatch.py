@@ -1,0 +1,376 @@
+"""One client request from start to answer: candidates, exclusions, attempts, verdicts.
+
+For each candidate (a model of the role on a provider serving it, in the role's order):
+the breaker says which machines may be sent to; refused machines go to the aggregator's
+`ignore` (a direct provider is skipped); an attempt is sent; its outcome is recorded in the
+breaker whatever it was. A failure before content reached the client moves on: to another
+machine of the same model (the failing one is ignored), then to the next candidate, with
+a short jittered backoff and never past the role's patience. A 400 is never resent
+unchanged to the same model: context length moves on to a later model, a content-filter
+refusal goes back to the caller as it is, any other 400 too. Every candidate is noted in
+the request's decision with what happened to it and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from rolegate_policy.config import ProxyConfig
+
+from .breaker import Breakers, Outcome, TransportFault
+from .chat_request import ChatRequest
+from .decisions import Decision
+from .errors import ProxyError
+from .exclusions import Transition, parse_retry_after
+from .relay import Answer, RelayContext, complete_once, open_stream, relay_stream
+from .routing import Attempt, Candidate, aggregator_routing, plan_candidates
+from .upstream import RequestFault, UpstreamFailure
+from .verdicts import Verdict, VerdictKind, VerdictLog, VerdictRow, judge
+
+OK_VERDICT = Verdict(VerdictKind.OK)
+
+log = logging.getLogger("rolegate.proxy")
+
+# Attempts on one candidate (each ignoring the machines that failed before) and in all.
+MAX_TRIES_PER_CANDIDATE = 3
+MAX_ATTEMPTS = 8
+BACKOFF_FIRST = 0.05
+BACKOFF_CAP = 1.0
+
+
+@dataclass
+class Dispatcher:
+    """Per-process routing state the requests share: the breakers and the logs."""
+
+    breakers: Breakers
+    verdicts: VerdictLog
+    rng: random.Random
+    listeners: list[Callable[[Transition], None]] = field(default_factory=list)
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    async def handle(
+        self,
+        request: web.Request,
+        chat: ChatRequest,
+        config: ProxyConfig,
+        ctx: RelayContext,
+        decision: Decision,
+    ) -> web.StreamResponse:
+        deadline = decision.started_at + chat.role.patience_seconds
+        failures: list[UpstreamFailure] = []
+        candidates = plan_candidates(chat.role, config)
+        skip_model: set[str] = set()
+        attempts_left = MAX_ATTEMPTS
+        for index, candidate in enumerate(candidates):
+            provider, model = candidate.provider.name, candidate.model.name
+            if model in skip_model:
+                decision.skip(provider, model, None, "the model's context is too small")
+                continue
+            failed_machines: list[str] = []
+            for _ in range(MAX_TRIES_PER_CANDIDATE):
+                remaining = deadline - self.now()
+                if remaining <= 0 or attempts_left <= 0:
+                    why = "the role's patience ran out" if remaining <= 0 else "attempt limit"
+                    for later in candidates[index:]:
+                        decision.skip(later.provider.name, later.model.name, None, why)
+                    raise self._exhausted(chat, candidates, failures, decision)
+                attempt = self._admit(candidate, chat, failed_machines, decision)
+                if attempt is None:
+                    break
+                attempts_left -= 1
+                started = self.now()
+                try:
+                    return await self._send(
+                        request, chat, attempt, ctx, decision, started, remaining
+                    )
+                except UpstreamFailure as failure:
+                    failures.append(failure)
+                    self._record_failure(failure, started)
+                    decision.sent(provider, model, failure.machine, failure.detail)
+                    fault = failure.request_fault
+                    if fault is RequestFault.CONTEXT_LENGTH:
+                        skip_model.add(model)
+                        break
+                    if fault is not None:
+                        # About the request, not the machine: the caller gets it as it is.
+                        raise self._rejected(failure) from None
+                    if failure.machine and candidate.is_aggregator:
+                        failed_machines.append(failure.machine)
+                    else:
+                        break  # nothing narrower to avoid: next candidate
+                    await self._backoff(len(failures), deadline)
+            if index + 1 < len(candidates) and failures:
+                await self._backoff(len(failures), deadline)
+        raise self._exhausted(chat, candidates, failures, decision)
+
+    def _admit(
+        self,
+        candidate: Candidate,
+        chat: ChatRequest,
+        failed_machines: list[str],
+        decision: Decision,
+    ) -> Attempt | None:
+        provider, model = candidate.provider.name, candidate.model.name
+        now = self.now()
+        if not candidate.is_aggregator:
+            admission = self.breakers.admit(provider, model, None, now)
+            if not admission.allowed:
+                assert admission.exclusion is not None
+                decision.skip(provider, model, None, admission.exclusion.describe())
+                return None
+            return Attempt(candidate.provider, candidate.model)
+        admitted: list[str] = []
+        refused: list[str] = []
+        for machine in candidate.machine_names():
+            if machine in failed_machines:
+                refused.append(machine)
+                continue
+            exclusion = self.breakers.exclusion(provider, model, machine, now)
+            if exclusion is None:
+                admitted.append(machine)
+            else:
+                refused.append(machine)
+                decision.skip(provider, model, machine, exclusion.describe())
+        if not admitted:
+            # Never an empty `only`, never an order of nobody: the candidate is skipped.
+            decision.skip(provider, model, None, "no machine of this model may be sent to")
+            return None
+        # Takes half-open probe slots for the keys covering this candidate.
+        admission = self.breakers.admit(provider, model, None, now)
+        if not admission.allowed:
+            assert admission.exclusion is not None
+            decision.skip(provider, model, None, admission.exclusion.describe())
+            return None
+        return Attempt(
+            candidate.provider,
+            candidate.model,
+            aggregator_routing(chat.role, admitted, refused),
+        )
+
+    async def _send(
+        self,
+        request: web.Request,
+        chat: ChatRequest,
+        attempt: Attempt,
+        ctx: RelayContext,
+        decision: Decision,
+        started: float,
+        remaining: float,
+    ) -> web.StreamResponse:
+        provider, model = attempt.provider.name, attempt.model.name
+        if not chat.stream:
+            completed = await complete_once(chat, attempt, ctx, remaining)
+            verdict = self._judge(chat, completed.answer, attempt)
+            if verdict.steers:
+                raise UpstreamFailure(
+                    attempt,
+                    f"answered 200 but the answer is {verdict.kind.value}"
+                    + (f" ({verdict.detail})" if verdict.detail else ""),
+                    status=200,
+                    machine=_machine(attempt, completed.answer),
+                    verdict=verdict,
+                )
+            self._record_answer(attempt, completed.answer, verdict, started)
+            self._served(decision, attempt, completed.answer, "answered")
+            return completed.response
+        opened = await open_stream(chat, attempt, ctx, remaining)
+        end = await relay_stream(request, opened, ctx)
+        machine = _machine(attempt, end.answer)
+        if end.fault is not None:
+            # Content had reached the client, which got an error event: the stream counts
+            # against the machine, and the request is over.
+            self._record(
+                Outcome.transport_failure(
+                    provider, model, end.fault, machine=machine, started_at=started
+                )
+            )
+            self._served(decision, attempt, end.answer, f"stream broke after content: {end.detail}")
+            decision.outcome = "stream_incomplete"
+            return end.response
+        verdict = self._judge(chat, end.answer, attempt)
+        self._record_answer(attempt, end.answer, verdict, started)
+        self._served(decision, attempt, end.answer, "answered")
+        return end.response
+
+    def _judge(self, chat: ChatRequest, answer: Answer, attempt: Attempt) -> Verdict:
+        provider = attempt.provider
+        verdict = judge(
+            answer.text,
+            finish_reason=answer.finish_reason,
+            has_tool_calls=answer.has_tool_calls,
+            status=200,
+            prompt=chat.prompt,
+            client_capped=chat.client_capped(answer.finish_reason),
+        )
+        settings = provider.degraded_output
+        if verdict.kind is VerdictKind.MALFORMED and not settings.detect_empty:
+            return OK_VERDICT
+        if verdict.kind is VerdictKind.MANGLED and not settings.detect_mangled:
+            return OK_VERDICT
+        return verdict
+
+    def _record_answer(
+        self, attempt: Attempt, answer: Answer, verdict: Verdict, started: float
+    ) -> None:
+        machine = _machine(attempt, answer)
+        if verdict.kind is not VerdictKind.OK:
+            self.verdicts.append(
+                VerdictRow.of(
+                    verdict,
+                    provider=attempt.provider.name,
+                    model=attempt.model.name,
+                    machine=answer.served.machine,
+                    at=time.time(),
+                )
+            )
+        self._record(
+            Outcome.answered(
+                attempt.provider.name,
+                attempt.model.name,
+                verdict,
+                machine=machine,
+                started_at=started,
+            )
+        )
+
+    def _record_failure(self, failure: UpstreamFailure, started: float) -> None:
+        attempt = failure.attempt
+        provider, model = attempt.provider.name, attempt.model.name
+        machine = failure.machine if attempt.is_aggregator else None
+        if failure.verdict is not None:
+            self.verdicts.append(
+                VerdictRow.of(
+                    failure.verdict, provider=provider, model=model, machine=failure.machine,
+                    at=time.time(),
+                )
+            )  # fmt: skip
+            outcome = Outcome.answered(
+                provider, model, failure.verdict, machine=machine, started_at=started
+            )
+        elif failure.status is not None and failure.transport is None:
+            outcome = Outcome.http_error(
+                provider,
+                model,
+                failure.status,
+                machine=machine,
+                retry_after=parse_retry_after(failure.retry_after, wall_now=time.time()),
+                started_at=started,
+            )
+        else:
+            outcome = Outcome.transport_failure(
+                provider,
+                model,
+                failure.transport or TransportFault.CONNECTION_FAILED,
+                machine=machine,
+                status=failure.status,
+                started_at=started,
+            )
+        self._record(outcome)
+
+    def _record(self, outcome: Outcome) -> None:
+        for transition in self.breakers.record(outcome, self.now()):
+            self.on_transition(transition)
+
+    def on_transition(self, transition: Transition) -> None:
+        log.warning(
+            "breaker %s key=%r cause=%s reason=%s trigger=%s",
+            transition.kind.value,
+            transition.key.describe(),
+            transition.cause.value,
+            transition.reason.value,
+            transition.trigger.value if transition.trigger else "-",
+        )
+        for listener in self.listeners:
+            listener(transition)
+
+    def _served(self, decision: Decision, attempt: Attempt, answer: Answer, result: str) -> None:
+        decision.sent(attempt.provider.name, attempt.model.name, answer.served.machine, result)
+        decision.served_provider = attempt.provider.name
+        decision.served_model = answer.served.model
+        decision.served_machine = answer.served.machine
+        decision.outcome = "answered" if result == "answered" else decision.outcome
+
+    async def _backoff(self, failures: int, deadline: float) -> None:
+        """Jittered exponential pause between attempts: no upstream is hammered."""
+        delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (failures - 1))
+        delay *= 0.5 + self.rng.random() / 2
+        delay = min(delay, max(0.0, deadline - self.now()))
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    def _rejected(self, failure: UpstreamFailure) -> ProxyError:
+        status = failure.status or 400
+        return ProxyError(
+            status,
+            f"Provider {failure.attempt.provider.name!r} rejected the request for model "
+            f"{failure.attempt.model.name!r}: {failure.detail}",
+            error_type="invalid_request_error",
+            code=(
+                "content_filter"
+                if failure.request_fault is RequestFault.CONTENT_FILTER
+                else "upstream_rejected"
+            ),
+        )
+
+    def _exhausted(
+        self,
+        chat: ChatRequest,
+        candidates: list[Candidate],
+        failures: list[UpstreamFailure],
+        decision: Decision,
+    ) -> ProxyError:
+        role = chat.role.name
+        decision.outcome = "failed"
+        if not candidates:
+            return ProxyError(
+                503,
+                f"Role {role!r} has no accepted provider serving any of its models "
+                f"({', '.join(chat.role.models)}); add or fix a ProviderPolicy that serves one.",
+                error_type="service_unavailable",
+                code="no_provider",
+            )
+        skipped = decision.skipped_reasons()
+        tried = "; ".join(f.describe() for f in failures) or "nothing was sent"
+        why = f" Skipped: {'; '.join(skipped)}." if skipped else ""
+        if failures and all(f.status == 429 for f in failures):
+            waits = [
+                w for f in failures if (w := parse_retry_after(f.retry_after, wall_now=time.time()))
+            ]
+            return ProxyError(
+                429,
+                f"Every upstream for role {role!r} is rate limited: {tried}.{why} "
+                "Retry after the time in the Retry-After header.",
+                error_type="rate_limit_error",
+                code="upstream_rate_limited",
+                headers={"Retry-After": str(max(1, math.ceil(min(waits))))} if waits else None,
+            )
+        if failures and all(f.request_fault is RequestFault.CONTEXT_LENGTH for f in failures):
+            return ProxyError(
+                400,
+                f"The request is too long for every model of role {role!r}: {tried}. "
+                "Shorten it, or add a model with a larger context to the role.",
+                code="context_length_exceeded",
+            )
+        return ProxyError(
+            502 if failures else 503,
+            f"No upstream could serve role {role!r}: {tried}.{why} Check that each "
+            "ProviderPolicy endpoint is reachable and its API key is set; tripped "
+            "breakers reopen by themselves after their cooldown.",
+            error_type="upstream_error",
+            code="upstream_unavailable" if failures else "all_candidates_excluded",
+        )
+
+
+def _machine(attempt: Attempt, answer: Answer) -> str | None:
+    """The machine key for the breaker: an aggregator's sub-provider, None for a direct one."""
+    return answer.served.machine if attempt.is_aggregator else None
