@@ -44,6 +44,8 @@ MAX_TRIES_PER_CANDIDATE = 3
 MAX_ATTEMPTS = 8
 BACKOFF_FIRST = 0.05
 BACKOFF_CAP = 1.0
+# The share of a role's patience one silent attempt may use while others could answer.
+IDLE_SHARE = 0.5
 
 
 @dataclass
@@ -89,10 +91,14 @@ class Dispatcher:
                     break
                 attempts_left -= 1
                 started = self.now()
+                # A silent upstream may use half the patience while anything else could
+                # still answer, so a fallback has time to; the last candidate gets the rest.
+                last = index + 1 == len(candidates) and not candidate.is_aggregator
+                budget = (
+                    remaining if last else min(remaining, chat.role.patience_seconds * IDLE_SHARE)
+                )
                 try:
-                    return await self._send(
-                        request, chat, attempt, ctx, decision, started, remaining
-                    )
+                    return await self._send(request, chat, attempt, ctx, decision, started, budget)
                 except UpstreamFailure as failure:
                     failures.append(failure)
                     self._record_failure(failure, started)
@@ -165,11 +171,11 @@ class Dispatcher:
         ctx: RelayContext,
         decision: Decision,
         started: float,
-        remaining: float,
+        budget: float,
     ) -> web.StreamResponse:
         provider, model = attempt.provider.name, attempt.model.name
         if not chat.stream:
-            completed = await complete_once(chat, attempt, ctx, remaining)
+            completed = await complete_once(chat, attempt, ctx, budget)
             verdict = self._judge(chat, completed.answer, attempt)
             if verdict.steers:
                 raise UpstreamFailure(
@@ -183,7 +189,7 @@ class Dispatcher:
             self._record_answer(attempt, completed.answer, verdict, started)
             self._served(decision, attempt, completed.answer, "answered")
             return completed.response
-        opened = await open_stream(chat, attempt, ctx, remaining)
+        opened = await open_stream(chat, attempt, ctx, budget)
         end = await relay_stream(request, opened, ctx)
         machine = _machine(attempt, end.answer)
         if end.fault is not None:

@@ -91,7 +91,7 @@ class Completed:
 
 
 async def complete_once(
-    chat: ChatRequest, attempt: Attempt, ctx: RelayContext, remaining: float
+    chat: ChatRequest, attempt: Attempt, ctx: RelayContext, budget: float
 ) -> Completed:
     """One non-streamed attempt; raises UpstreamFailure when it produced nothing usable."""
     headers = upstream_headers(attempt, ctx.keys, stream=False)
@@ -100,7 +100,7 @@ async def complete_once(
             chat_url(attempt),
             data=upstream_body(chat.body, attempt),
             headers=headers,
-            timeout=timeouts(attempt, chat.role, stream=False, remaining=remaining),
+            timeout=timeouts(attempt, stream=False, budget=budget),
         ) as upstream:
             raw = await upstream.read()
             if upstream.status != 200:
@@ -163,7 +163,7 @@ class OpenStream:
 
 
 async def open_stream(
-    chat: ChatRequest, attempt: Attempt, ctx: RelayContext, remaining: float
+    chat: ChatRequest, attempt: Attempt, ctx: RelayContext, budget: float
 ) -> OpenStream:
     """Send one streamed attempt and wait for its first content (or its end): until then a
     failure is invisible to the client and raises UpstreamFailure."""
@@ -173,7 +173,7 @@ async def open_stream(
             chat_url(attempt),
             data=upstream_body(chat.body, attempt),
             headers=headers,
-            timeout=timeouts(attempt, chat.role, stream=True, remaining=remaining),
+            timeout=timeouts(attempt, stream=True, budget=budget),
         )
     except TRANSPORT_ERRORS as exc:
         raise transport_failure(attempt, exc, during_stream=False) from None

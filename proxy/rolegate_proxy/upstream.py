@@ -10,8 +10,6 @@ from typing import Any
 import aiohttp
 import orjson
 
-from rolegate_policy.config import CompiledRole
-
 from .breaker import TransportFault
 from .credentials import KeyStore
 from .exclusions import is_request_fault
@@ -95,18 +93,12 @@ def chat_url(attempt: Attempt) -> str:
     return attempt.provider.endpoint.rstrip("/") + "/chat/completions"
 
 
-def timeouts(
-    attempt: Attempt, role: CompiledRole, stream: bool, remaining: float
-) -> aiohttp.ClientTimeout:
-    """`remaining` is what is left of the role's patience for this request."""
+def timeouts(attempt: Attempt, *, stream: bool, budget: float) -> aiohttp.ClientTimeout:
+    """`budget` is how long this attempt may stay silent (dispatch derives it from the role's
+    patience). A stream's silence between two reads is also bounded by the provider's idle
+    limit (E4); a non-streamed answer is one silence until it is complete."""
     settings = attempt.provider.timeouts
-    if stream:
-        # Silence between two reads longer than this means the stream is stuck (E4): an
-        # idle limit derived from the role's patience, well before a caller gives up.
-        idle = min(settings.idle_seconds, role.patience_seconds, max(remaining, 0.05))
-    else:
-        # A non-streamed answer is usable only when complete: it may take what is left.
-        idle = max(min(settings.idle_seconds, remaining), min(remaining, role.patience_seconds))
+    idle = min(settings.idle_seconds, budget) if stream else budget
     return aiohttp.ClientTimeout(
         total=None, connect=None, sock_connect=settings.connect_seconds, sock_read=max(idle, 0.05)
     )
