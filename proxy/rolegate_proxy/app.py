@@ -53,8 +53,8 @@ class ProxyState:
             breakers=Breakers(self._breaker_settings, rng, degraded_for=self._degraded_settings),
             verdicts=VerdictLog(),
             rng=rng,
+            metrics=self.metrics,
         )
-        self.dispatcher.listeners.append(self.metrics.on_transition)
 
     def _breaker_settings(self, provider: str) -> BreakerSettings:
         found = self.config.provider(provider)

@@ -30,6 +30,7 @@ from .chat_request import ChatRequest
 from .decisions import Decision
 from .errors import ProxyError
 from .exclusions import Transition, parse_retry_after
+from .metrics import ProxyMetrics
 from .relay import Answer, RelayContext, complete_once, open_stream, relay_stream
 from .routing import Attempt, Candidate, aggregator_routing, plan_candidates
 from .upstream import RequestFault, UpstreamFailure
@@ -55,6 +56,7 @@ class Dispatcher:
     breakers: Breakers
     verdicts: VerdictLog
     rng: random.Random
+    metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
     listeners: list[Callable[[Transition], None]] = field(default_factory=list)
 
     def now(self) -> float:
@@ -229,6 +231,7 @@ class Dispatcher:
         self, attempt: Attempt, answer: Answer, verdict: Verdict, started: float
     ) -> None:
         machine = _machine(attempt, answer)
+        self.metrics.observe_verdict(attempt.provider.name, attempt.model.name, verdict)
         if verdict.kind is not VerdictKind.OK:
             self.verdicts.append(
                 VerdictRow.of(
@@ -254,6 +257,7 @@ class Dispatcher:
         provider, model = attempt.provider.name, attempt.model.name
         machine = failure.machine if attempt.is_aggregator else None
         if failure.verdict is not None:
+            self.metrics.observe_verdict(provider, model, failure.verdict)
             self.verdicts.append(
                 VerdictRow.of(
                     failure.verdict, provider=provider, model=model, machine=failure.machine,
@@ -296,6 +300,8 @@ class Dispatcher:
             transition.reason.value,
             transition.trigger.value if transition.trigger else "-",
         )
+        self.metrics.on_transition(transition)
+        self.metrics.observe_breakers(self.breakers.snapshot(self.now()))
         for listener in self.listeners:
             listener(transition)
 

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .exclusions import BreakerState, State, Transition
+from .verdicts import Verdict, VerdictKind
 
 
 class ProxyMetrics:
@@ -99,6 +100,15 @@ class ProxyMetrics:
             transition.kind.value,
             transition.cause.value,
             transition.reason.value,
+        ).inc()
+
+    def observe_verdict(self, provider: str, model: str, verdict: Verdict) -> None:
+        self.answers.labels(provider, model).inc()
+        if verdict.kind is VerdictKind.OK:
+            return
+        signature = verdict.signature.value if verdict.signature else ""
+        self.verdicts.labels(
+            provider, model, verdict.kind.value, signature, str(verdict.attributable).lower()
         ).inc()
 
     def observe_breakers(self, states: Iterable[BreakerState]) -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -143,6 +144,21 @@ async def test_double_encoded_output_trips_the_provider_only_when_attributable(
         assert "MangledOutput" in refused.json()["error"]["message"]
     else:
         assert _open_keys(proxy) == set()
+    async with httpx.AsyncClient(timeout=10) as client:
+        metrics = (await client.get(f"{proxy.url}/metrics")).text
+    attributable = str(trips).lower()
+    counted = re.search(
+        rf'rolegate_verdicts_total{{attributable="{attributable}",model="{re.escape(QWEN)}",'
+        r'provider="router",signature="double_encoded_utf8",verdict="mangled"} (\S+)',
+        metrics,
+    )
+    assert counted is not None
+    # Tripped after two (novelty); untripped, all six answers were judged.
+    assert float(counted.group(1)) == (2.0 if trips else 6.0)
+    assert (
+        'rolegate_breaker_open{cause="Breaker",machine="",model="",provider="router"' in metrics
+    ) is trips
+    assert ('kind="tripped",provider="router",reason="MangledOutput"' in metrics) is trips
     rows = proxy.state.dispatcher.verdicts.rows()
     assert rows
     assert all(row.verdict == "mangled" for row in rows)
