@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import os
 import random
 import statistics
@@ -20,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import httpx
 import openai
 
+from rolegate_proxy.exclusions import Transition
 from rolegate_proxy.server import RunningProxy
 from rolegate_proxy.server import start as start_proxy
 from rolegate_proxy.settings import ProxySettings
@@ -55,6 +58,8 @@ class Result:
 
 
 def run_demo(requests: int = 60, out: TextIO = sys.stdout) -> int:
+    # The demo narrates breaker transitions itself; the proxy's own log lines would repeat them.
+    logging.getLogger("rolegate").setLevel(logging.ERROR)
     return asyncio.run(_demo(requests, out))
 
 
@@ -66,11 +71,12 @@ async def _demo(requests: int, out: TextIO) -> int:
         proxy = await _start_proxy(sim, out)
         print(f"simulated provider on {sim.url}, proxy on {proxy.url}\n", file=out)
         results = await _workload(proxy.url, requests, out)
+        _summary(results, out)
+        await _incident(sim.url, proxy, out)
     finally:
         if proxy is not None:
             await proxy.stop()
         await sim.stop()
-    _summary(results, out)
     failed = [r for r in results if not r.ok]
     # Some faults in the scenario are expected to reach the client as clear errors; the
     # demo fails only if most traffic failed, which means rolegate itself is broken.
@@ -141,6 +147,55 @@ async def _one(client: openai.AsyncOpenAI, role: str, prompt: str) -> Result:
             role, False, machine, model, (time.perf_counter() - started) * 1000, None, _short(error)
         )
     return Result(role, True, machine, model, (time.perf_counter() - started) * 1000, ttft)
+
+
+INCIDENT_MODEL = "deepseek/deepseek-v3"
+
+
+async def _incident(sim_url: str, proxy: RunningProxy, out: TextIO) -> None:
+    """A machine starts answering empty on HTTP 200: the breaker trips the (provider,
+    model) pair, traffic routes around it, and it recovers once the machine is healthy."""
+    started = time.monotonic()
+
+    def say(text: str) -> None:
+        print(f"  [{time.monotonic() - started:5.1f}s] {text}", file=out, flush=True)
+
+    def on_transition(transition: Transition) -> None:
+        say(
+            f"breaker {transition.kind.value}: {transition.key.describe()} "
+            f"({transition.reason.value}"
+            + (f", trigger {transition.trigger.value}" if transition.trigger else "")
+            + ")"
+        )
+
+    proxy.state.dispatcher.listeners.append(on_transition)
+    print("\nincident: a machine starts answering empty on HTTP 200", file=out)
+    async with (
+        httpx.AsyncClient(timeout=30) as control,
+        openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="demo", max_retries=0) as client,
+    ):
+        for machine in ("fastco", "steadyco"):
+            url = f"{sim_url}/_sim/machines/{INCIDENT_MODEL}/{machine}/faults"
+            (await control.put(url, json=[{"kind": "empty", "always": True}])).raise_for_status()
+        say(f"simulator: every {INCIDENT_MODEL} machine now answers empty")
+        outcomes: Counter[str] = Counter()
+        for _ in range(6):
+            result = await _one(client, "batch", PROMPTS[0])
+            outcomes[result.error or f"answered by {result.model} @ {result.machine}"] += 1
+        say("batch requests: " + ", ".join(f"{k} x{v}" for k, v in outcomes.items()))
+        agent = await _one(client, "agent", PROMPTS[1])
+        say(f"agent (falls back past the tripped model): {agent.model} @ {agent.machine}")
+        for machine in ("fastco", "steadyco"):
+            url = f"{sim_url}/_sim/machines/{INCIDENT_MODEL}/{machine}/faults"
+            (await control.put(url, json=[])).raise_for_status()
+        say("simulator: the machines are healthy again")
+        deadline = time.monotonic() + 20
+        recovered = False
+        while time.monotonic() < deadline and not recovered:
+            await asyncio.sleep(0.5)
+            result = await _one(client, "batch", PROMPTS[2])
+            recovered = result.ok
+        say("batch answered again: recovered" if recovered else "not recovered within 20s")
 
 
 def _short(error: openai.APIError) -> str:

@@ -163,3 +163,7 @@ def test_demo_runs_end_to_end() -> None:
     assert "per role" in result.stdout
     for role in ("agent", "reflex", "batch"):
         assert f"\n{role} " in result.stdout
+    assert (
+        "breaker tripped: model deepseek/deepseek-v3 at sim-router (EmptyResponses" in result.stdout
+    )
+    assert "breaker recovered: model deepseek/deepseek-v3" in result.stdout
