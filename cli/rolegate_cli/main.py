@@ -60,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
         default=Path("/var/run/secrets/rolegate"),
         help="where Secret keys are mounted as <dir>/<secret name>/<key>",
     )
+    proxy.add_argument(
+        "--status-heartbeat-seconds",
+        type=float,
+        default=30.0,
+        help="with --configmap: re-send this pod's breaker report at least this often",
+    )
     proxy.set_defaults(handler=_run_proxy)
 
     operator = commands.add_parser(
@@ -157,6 +163,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         port=args.port,
         max_body_bytes=args.max_body_bytes,
         secrets_dir=args.secrets_dir,
+        status_heartbeat_seconds=args.status_heartbeat_seconds,
     )
     serve(settings, config, source)
     return 0

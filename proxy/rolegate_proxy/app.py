@@ -27,6 +27,7 @@ from .errors import ProxyError
 from .metrics import ProxyMetrics
 from .relay import RelayContext
 from .settings import ProxySettings
+from .status_reporter import BreakerReporter
 from .verdicts import VerdictLog
 
 log = logging.getLogger("rolegate.proxy")
@@ -104,6 +105,9 @@ def create_app(
     app.cleanup_ctx.append(_breaker_clock)
     if source is not None:
         app.cleanup_ctx.append(_config_watch)
+        # In a cluster (the configuration comes from the API server), breaker state goes
+        # back onto the ProviderPolicies' status.
+        app.cleanup_ctx.append(_status_reports)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/healthz", healthz)
@@ -155,6 +159,26 @@ async def _breaker_clock(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _status_reports(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    assert state.source is not None
+    dispatcher = state.dispatcher
+    reporter = BreakerReporter(
+        snapshot=lambda: dispatcher.breakers.snapshot(dispatcher.now()),
+        config=lambda: state.config,
+        monotonic=dispatcher.now,
+        kubeconfig=state.source.kubeconfig,
+        heartbeat_seconds=state.settings.status_heartbeat_seconds,
+    )
+    dispatcher.listeners.append(reporter.mark_dirty)
+    async with aiohttp.ClientSession() as session:
+        task = asyncio.create_task(reporter.run(session), name="rolegate-status-reports")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def _config_watch(app: web.Application) -> AsyncIterator[None]:

@@ -18,3 +18,6 @@ class ProxySettings:
     key_refresh_seconds: float = 30.0
     # Streams still open at shutdown get this long to finish (SIGTERM drains).
     shutdown_grace_seconds: float = 30.0
+    # Breaker reports on ProviderPolicy status are re-sent at least this often (in a
+    # cluster); the operator expires a pod's report after three missed heartbeats.
+    status_heartbeat_seconds: float = 30.0
