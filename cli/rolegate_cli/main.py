@@ -174,7 +174,7 @@ def _run_operator(args: argparse.Namespace) -> int:
 
     from rolegate_operator.controller import Options
     from rolegate_operator.kube import load_configuration
-    from rolegate_operator.main import LoopCrashed, MissingCRDs, run_operator
+    from rolegate_operator.main import CannotStart, LoopCrashed, run_operator
 
     namespaces: tuple[str, ...] = tuple(dict.fromkeys(args.namespace or ()))
     configmap_namespace = args.configmap_namespace or (namespaces[0] if namespaces else None)
@@ -202,7 +202,7 @@ def _run_operator(args: argparse.Namespace) -> int:
     )
     try:
         run_operator(options, configuration, liveness_endpoint=liveness)
-    except MissingCRDs as error:
+    except CannotStart as error:
         print(f"rolegate operator: {error}", file=sys.stderr)
         return 2
     except LoopCrashed as error:

@@ -36,7 +36,7 @@ from rolegate_operator.conditions import (
     status_patch,
     transition_event,
 )
-from rolegate_operator.kube import ConfigMapWrite
+from rolegate_operator.kube import ConfigMapWrite, describe_error
 from rolegate_operator.reconcile import AcceptedVersion, ReconcileResult, reconcile
 from rolegate_operator.store import KINDS, ResourceKey, Store
 from rolegate_policy.config import ProxyConfig
@@ -131,7 +131,7 @@ class Controller:
                 log.warning(
                     "compile pass failed, retrying retry_in=%.1fs error=%s",
                     delay,
-                    _describe(error),
+                    describe_error(error),
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.options.retry_cap)
@@ -153,8 +153,8 @@ class Controller:
         self._memory = dict(result.accepted)
         self.last_result = result
         self.passes += 1
-        log.debug("compiled config_hash=%s resources=%d", result.config.hash, len(snapshot))
 
+        configmap = "skipped"  # the hash last written: no need to look
         if verify_configmap or result.config.hash != self._written_hash:
             outcome = await asyncio.to_thread(
                 self._kube.sync_configmap,
@@ -163,6 +163,7 @@ class Controller:
                 result.config,
             )
             self._written_hash = result.config.hash
+            configmap = outcome.value
             if outcome is not ConfigMapWrite.UNCHANGED:
                 log.info(
                     "configmap %s namespace=%s name=%s config_hash=%s roles=%d providers=%d "
@@ -176,29 +177,40 @@ class Controller:
                     len(result.rejected),
                 )
 
-        failures = 0
+        failures = written = 0
         for key in sorted(result.outcomes):
             try:
-                await self._write_status(key, result)
+                written += await self._write_status(key, result)
             except Exception as error:
                 failures += 1
-                log.warning("status write failed resource=%s error=%s", key, _describe(error))
+                log.warning("status write failed resource=%s error=%s", key, describe_error(error))
+        log.info(
+            "pass done config_hash=%s resources=%d rejected=%d configmap=%s statuses_written=%d "
+            "status_failures=%d",
+            result.config.hash,
+            len(snapshot),
+            len(result.rejected),
+            configmap,
+            written,
+            failures,
+        )
         if failures:
             raise PassFailed(f"{failures} status write(s) failed")
         return result
 
-    async def _write_status(self, key: ResourceKey, result: ReconcileResult) -> None:
+    async def _write_status(self, key: ResourceKey, result: ReconcileResult) -> bool:
+        """Write one resource's status if it differs; True when written."""
         outcome = result.outcomes[key]
         current = self.store.get(key)
         if current is None or current.uid != outcome.uid:
-            return  # deleted or re-created since the snapshot: the next pass handles it
+            return False  # deleted or re-created since the snapshot: the next pass sees it
         now = self._now()
         patch = status_patch(current.status, outcome.status, now)
         if patch is None:
-            return
+            return False
         written = await asyncio.to_thread(self._kube.apply_status, key, patch)
         if written is None:
-            return
+            return False
         self.store.record_write(written)
         accepted = outcome.status.accepted
         log.info(
@@ -210,12 +222,12 @@ class Controller:
             outcome.served_generation,
         )
         note = transition_event(find_condition(current.status, ACCEPTED), accepted)
-        if note is None:
-            return
-        try:
-            await asyncio.to_thread(self._kube.post_event, key, outcome.uid, note, now)
-        except Exception as error:  # Events are best effort; the status already says it
-            log.warning("event not posted resource=%s error=%s", key, _describe(error))
+        if note is not None:
+            try:
+                await asyncio.to_thread(self._kube.post_event, key, outcome.uid, note, now)
+            except Exception as error:  # Events are best effort; the status says it all
+                log.warning("event not posted resource=%s error=%s", key, describe_error(error))
+        return True
 
     async def _initial_sync(self) -> None:
         """Wait until the watch has delivered what a listing finds (bounded)."""
@@ -233,7 +245,7 @@ class Controller:
                             "initial listing failed kind=%s retry_in=%.1fs error=%s",
                             kind,
                             delay,
-                            _describe(error),
+                            describe_error(error),
                         )
                         await asyncio.sleep(delay)
                         delay = min(delay * 2, self.options.retry_cap)
@@ -277,12 +289,3 @@ class Controller:
             if not await self._wait_for_change(remaining):
                 return
             last = self._monotonic()
-
-
-def _describe(error: BaseException) -> str:
-    """An error for a log line: its type and the API status, never a response body."""
-    status = getattr(error, "status", None)
-    reason = getattr(error, "reason", None)
-    if status is not None:
-        return f"{type(error).__name__}(status={status}, reason={reason})"
-    return f"{type(error).__name__}: {error}"

@@ -170,7 +170,7 @@ class Kube:
             message = message[: EVENT_MESSAGE_LIMIT - 1] + "…"
         event = client.CoreV1Event(
             metadata=client.V1ObjectMeta(
-                name=f"{key.name}.{uuid.uuid4().hex[:16]}", namespace=key.namespace
+                name=f"{key.name[:200]}.{uuid.uuid4().hex[:16]}", namespace=key.namespace
             ),
             involved_object=client.V1ObjectReference(
                 api_version=API_VERSION,
@@ -275,6 +275,16 @@ def _configmap(
         ),
         data={CONFIG_KEY: payload},
     )
+
+
+def describe_error(error: BaseException) -> str:
+    """An error for a log line or a message: its type and the API status, never a
+    response body (which may quote an object)."""
+    status = getattr(error, "status", None)
+    reason = getattr(error, "reason", None)
+    if status is not None:
+        return f"{type(error).__name__}(status={status}, reason={reason})"
+    return f"{type(error).__name__}: {error}"
 
 
 def _mapping(value: object) -> Mapping[str, Any]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,7 @@ import kopf
 from kubernetes import client
 
 from rolegate_operator.controller import Controller, Options
-from rolegate_operator.kube import Kube, connection_info
+from rolegate_operator.kube import Kube, connection_info, describe_error
 from rolegate_operator.store import GROUP, KINDS, VERSION, Store
 
 REGISTRY = kopf.OperatorRegistry()
@@ -51,8 +50,10 @@ class Runtime:
     configuration: client.Configuration
     kube: Kube
     controller: Controller
-    # Set when the compile loop dies: kopf stops and `run_operator` raises.
-    stop_flag: threading.Event = field(default_factory=threading.Event)
+    # Set when the compile loop dies: kopf stops and `run_operator` raises. An asyncio
+    # flag: kopf waits for a threading.Event in an executor thread that then blocks the
+    # interpreter's exit when the flag is never set.
+    stop_flag: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     crash: BaseException | None = None
 
@@ -80,6 +81,9 @@ def configure(settings: kopf.OperatorSettings) -> None:
     # No cluster-wide CRD and namespace watching: the CRDs must exist at start (the
     # command checks), and the namespaces are named, so least-privilege RBAC suffices.
     settings.scanning.disabled = True
+    # kopf logs every handled watch event at INFO; ours say what was done with them.
+    if log.getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
 
 @kopf.on.login(id="rolegate-login", registry=REGISTRY)
@@ -110,6 +114,8 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await runtime.task
     runtime.kube.close()
+    # Release kopf's waiter on the stop flag, or kopf waits 5 s for it as a hung task.
+    runtime.stop_flag.set()
 
 
 @kopf.on.probe(id="rolegate-config-hash", registry=REGISTRY)
@@ -142,11 +148,11 @@ def _loop_ended(runtime: Runtime, task: asyncio.Task[None]) -> None:
 
 
 class LoopCrashed(RuntimeError):
-    pass
+    """The compile loop died; the operator stopped."""
 
 
-class MissingCRDs(RuntimeError):
-    pass
+class CannotStart(RuntimeError):
+    """The API server cannot be reached, refuses us, or does not serve the CRDs."""
 
 
 def run_operator(
@@ -155,17 +161,21 @@ def run_operator(
     *,
     liveness_endpoint: str | None = None,
 ) -> None:
-    """Run the operator until SIGINT/SIGTERM. Raises `MissingCRDs` when the API server
-    does not serve RoleTable or ProviderPolicy."""
+    """Run the operator until SIGINT/SIGTERM. Raises `CannotStart` when a first listing
+    fails or the API server does not serve RoleTable or ProviderPolicy, and
+    `LoopCrashed` when the compile loop died."""
     kube = Kube(configuration)
-    missing = [
-        kind
-        for kind in KINDS
-        if kube.list_uids(kind, options.namespaces[0] if options.namespaces else None) is None
-    ]
+    namespace = options.namespaces[0] if options.namespaces else None
+    try:
+        missing = [kind for kind in KINDS if kube.list_uids(kind, namespace) is None]
+    except Exception as error:
+        kube.close()
+        raise CannotStart(
+            f"cannot list {GROUP} resources at {configuration.host}: {describe_error(error)}"
+        ) from error
     if missing:
         kube.close()
-        raise MissingCRDs(
+        raise CannotStart(
             f"the API server does not serve {', '.join(missing)} ({GROUP}/{VERSION}); "
             "install the CRDs first: kubectl apply -f deploy/crds/"
         )

@@ -1,0 +1,149 @@
+"""The operator end to end: `rolegate operator` as a subprocess against the real API server.
+
+The control plane, the per-test namespace and the CRDs come from the Kubernetes test
+fixtures (`tests/k8s/conftest.py`); they are imported here so these tests can use them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import pytest
+
+from rolegate_cli.controlplane import REPO_ROOT, ControlPlane
+from tests.k8s.conftest import control_plane, crds, namespace  # noqa: F401
+
+T = TypeVar("T")
+
+
+@dataclass
+class Cluster:
+    """kubectl against the test control plane, in one namespace, with JSON answers."""
+
+    plane: ControlPlane
+    namespace: str
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        obj = {**obj, "metadata": {**obj["metadata"], "namespace": self.namespace}}
+        self.plane.kubectl("apply", "-f", "-", input=json.dumps(obj))
+
+    def get(self, resource: str, name: str) -> dict[str, Any]:
+        out = self.plane.kubectl(
+            "-n", self.namespace, "get", resource, name, "-o", "json", "--show-managed-fields",
+        )  # fmt: skip
+        found: dict[str, Any] = json.loads(out.stdout)
+        return found
+
+    def find(self, resource: str, name: str) -> dict[str, Any] | None:
+        out = self.plane.kubectl(
+            "-n", self.namespace, "get", resource, name, "-o", "json", "--ignore-not-found",
+        )  # fmt: skip
+        return json.loads(out.stdout) if out.stdout.strip() else None
+
+    def delete(self, resource: str, name: str) -> None:
+        self.plane.kubectl("-n", self.namespace, "delete", resource, name, "--wait=false")
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        out = self.plane.kubectl(
+            "-n", self.namespace, "get", "events", "-o", "json",
+            "--field-selector", f"involvedObject.name={name}",
+        )  # fmt: skip
+        items: list[dict[str, Any]] = json.loads(out.stdout)["items"]
+        return items
+
+
+class OperatorProcess:
+    """`rolegate operator` in a subprocess; its log goes to a file (a full pipe would
+    block it) and is printed at teardown, so a failing test shows it."""
+
+    def __init__(self, plane: ControlPlane, args: Sequence[str], log_path: Path) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "rolegate_cli.main", "--log-level", "info", "operator", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            env=plane.env(),
+        )  # fmt: skip
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise AssertionError(
+                f"the operator exited with {self.process.returncode}:\n{self.log()[-6000:]}"
+            )
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+class StartOperator(Protocol):
+    def __call__(self, *args: str, kubeconfig: Path | None = None) -> OperatorProcess: ...
+
+
+@pytest.fixture
+def cluster(crds: ControlPlane, namespace: str) -> Cluster:  # noqa: F811
+    return Cluster(crds, namespace)
+
+
+@pytest.fixture
+def start_operator(cluster: Cluster, tmp_path: Path) -> Iterator[StartOperator]:
+    started: list[OperatorProcess] = []
+
+    def start(*args: str, kubeconfig: Path | None = None) -> OperatorProcess:
+        """`rolegate operator ARGS` (default: `--namespace` the test's namespace)."""
+        process = OperatorProcess(
+            cluster.plane,
+            [
+                *(args or ("--namespace", cluster.namespace)),
+                "--kubeconfig", str(kubeconfig or cluster.plane.kubeconfig),
+            ],
+            tmp_path / f"operator-{len(started)}.log",
+        )  # fmt: skip
+        started.append(process)
+        return process
+
+    yield start
+    for number, process in enumerate(started):
+        code = process.stop()
+        # Shown only when the test fails.
+        print(f"--- operator {number} (exit {code}) ---\n{process.log()}")
+
+
+def wait_for(
+    probe: Callable[[], T | None],
+    what: str,
+    *,
+    within: float = 20.0,
+    operator: OperatorProcess | None = None,
+) -> T:
+    """Poll `probe` until it returns something truthy; fail after `within` seconds."""
+    deadline = time.monotonic() + within
+    last: T | None = None
+    while True:
+        if operator is not None:
+            operator.check_alive()
+        last = probe()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {within}s: {what} (last: {last!r})")
+        time.sleep(0.1)
