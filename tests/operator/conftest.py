@@ -1,7 +1,7 @@
 """The operator end to end: `rolegate operator` as a subprocess against the real API server.
 
-The control plane, the per-test namespace and the CRDs come from the Kubernetes test
-fixtures (`tests/k8s/conftest.py`); they are imported here so these tests can use them.
+The control plane, the per-test namespace and the CRDs come from the suite's fixtures
+(`tests/conftest.py`), shared with tests/k8s: one control plane per run.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Any, Protocol, TypeVar
 import pytest
 
 from rolegate_cli.controlplane import REPO_ROOT, ControlPlane
-from tests.k8s.conftest import control_plane, crds, namespace  # noqa: F401
 
 T = TypeVar("T")
 
@@ -100,7 +99,7 @@ class StartOperator(Protocol):
 
 
 @pytest.fixture
-def cluster(crds: ControlPlane, namespace: str) -> Cluster:  # noqa: F811
+def cluster(crds: ControlPlane, namespace: str) -> Cluster:
     return Cluster(crds, namespace)
 
 
