@@ -105,6 +105,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="PORT",
         help="serve kopf's liveness probe on http://0.0.0.0:PORT/healthz",
     )
+    operator.add_argument(
+        "--report-ttl-seconds",
+        type=float,
+        default=90.0,
+        metavar="S",
+        help="drop a proxy pod's breaker report not refreshed for this long (default: 90)",
+    )
     operator.set_defaults(handler=_run_operator)
 
     sim = commands.add_parser("sim", help="serve the simulated OpenRouter-style provider")
@@ -189,6 +196,7 @@ def _run_operator(args: argparse.Namespace) -> int:
         namespaces=namespaces,
         configmap_namespace=configmap_namespace,
         configmap_name=args.configmap,
+        report_ttl_seconds=args.report_ttl_seconds,
     )
     try:
         configuration = load_configuration(

@@ -58,6 +58,9 @@ class Options:
     sync_timeout: float = 30.0
     retry_first: float = 0.5
     retry_cap: float = 30.0
+    # A proxy pod's breaker report expires when not refreshed for this long (the pods
+    # send one at least every 30 s by default: three missed heartbeats).
+    report_ttl_seconds: float = 90.0
 
 
 class KubeWriter(Protocol):

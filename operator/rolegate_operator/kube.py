@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import socket
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from enum import StrEnum
 from typing import Any, Final
@@ -141,9 +141,11 @@ class Kube:
             if token is None:
                 return uids
 
-    def apply_status(self, key: ResourceKey, status: Mapping[str, Any]) -> dict[str, Any] | None:
-        """Server-side apply of `status` (only the operator's fields) to the resource's
-        `/status`; the object as stored afterwards, or None when the resource is gone."""
+    def apply_status(
+        self, key: ResourceKey, status: Mapping[str, Any], field_manager: str = FIELD_MANAGER
+    ) -> dict[str, Any] | None:
+        """Server-side apply of `status` (only the fields `field_manager` owns) to the
+        resource's `/status`; the object as stored afterwards, or None when it is gone."""
         body = {
             "apiVersion": API_VERSION,
             "kind": key.kind,
@@ -153,7 +155,7 @@ class Kube:
         try:
             written = self._custom.patch_namespaced_custom_object_status(
                 GROUP, VERSION, key.namespace, KINDS[key.kind].plural, key.name, body,
-                field_manager=FIELD_MANAGER, force=True,
+                field_manager=field_manager, force=True,
                 _content_type="application/apply-patch+yaml",
                 _request_timeout=REQUEST_TIMEOUT,
             )  # fmt: skip
@@ -162,6 +164,32 @@ class Kube:
                 return None
             raise
         return dict(_mapping(written))
+
+    def remove_reports(
+        self, key: ResourceKey, reports: Sequence[Mapping[str, Any]], pods: Sequence[str]
+    ) -> None:
+        """Drop the `status.reports` entries of `pods` (reports of proxy pods not heard
+        from). A JSON patch whose `test` ops pin each entry to its pod, so a concurrent
+        change fails the patch instead of removing the wrong entry; the next pass retries."""
+        operations: list[dict[str, Any]] = []
+        # Highest index first, so earlier removals do not shift later ones.
+        for index in sorted(
+            (i for i, report in enumerate(reports) if report.get("pod") in pods), reverse=True
+        ):
+            path = f"/status/reports/{index}"
+            operations.append({"op": "test", "path": f"{path}/pod", "value": reports[index]["pod"]})
+            operations.append({"op": "remove", "path": path})
+        if not operations:
+            return
+        try:
+            self._custom.patch_namespaced_custom_object_status(
+                GROUP, VERSION, key.namespace, KINDS[key.kind].plural, key.name, operations,
+                _content_type="application/json-patch+json",
+                _request_timeout=REQUEST_TIMEOUT,
+            )  # fmt: skip
+        except client.ApiException as error:
+            if error.status not in (404, 409, 422):
+                raise
 
     def post_event(self, key: ResourceKey, uid: str, note: EventNote, now: datetime) -> None:
         """A core/v1 Event about the resource (shown by `kubectl describe`)."""

@@ -23,9 +23,10 @@ from typing import Any
 import kopf
 from kubernetes import client
 
-from rolegate_operator.controller import Controller, Options
+from rolegate_operator.controller import Controller, Options, utc_now
 from rolegate_operator.kube import Kube, connection_info, describe_error
 from rolegate_operator.store import GROUP, KINDS, VERSION, Store
+from rolegate_operator.tripped_loop import TrippedLoop
 
 REGISTRY = kopf.OperatorRegistry()
 RUNTIME_KEY = "rolegate"
@@ -50,11 +51,13 @@ class Runtime:
     configuration: client.Configuration
     kube: Kube
     controller: Controller
+    tripped: TrippedLoop
     # Set when the compile loop dies: kopf stops and `run_operator` raises. An asyncio
     # flag: kopf waits for a threading.Event in an executor thread that then blocks the
     # interpreter's exit when the flag is never set.
     stop_flag: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    tripped_task: asyncio.Task[None] | None = None
     crash: BaseException | None = None
 
 
@@ -97,6 +100,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     runtime = runtime_of(memo)
     runtime.task = asyncio.create_task(runtime.controller.run(), name="rolegate compile loop")
     runtime.task.add_done_callback(lambda task: _loop_ended(runtime, task))
+    runtime.tripped_task = asyncio.create_task(runtime.tripped.run(), name="rolegate tripped")
     options = runtime.options
     log.info(
         "operator started namespaces=%s configmap=%s/%s",
@@ -109,10 +113,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
 @kopf.on.cleanup(id="rolegate-cleanup", registry=REGISTRY)
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     runtime = runtime_of(memo)
-    if runtime.task is not None:
-        runtime.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await runtime.task
+    for task in (runtime.task, runtime.tripped_task):
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     runtime.kube.close()
     # Release kopf's waiter on the stop flag, or kopf waits 5 s for it as a hung task.
     runtime.stop_flag.set()
@@ -136,7 +141,9 @@ async def on_role_table(type: str | None, body: kopf.Body, memo: kopf.Memo, **_:
     GROUP, VERSION, KINDS["ProviderPolicy"].plural, id="rolegate-providerpolicy", registry=REGISTRY
 )
 async def on_provider_policy(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    runtime_of(memo).controller.observe(type, body)
+    runtime = runtime_of(memo)
+    runtime.controller.observe(type, body)
+    runtime.tripped.observe()  # the proxies' reports change only the status
 
 
 def _loop_ended(runtime: Runtime, task: asyncio.Task[None]) -> None:
@@ -179,11 +186,13 @@ def run_operator(
             f"the API server does not serve {', '.join(missing)} ({GROUP}/{VERSION}); "
             "install the CRDs first: kubectl apply -f deploy/crds/"
         )
+    store = Store()
     runtime = Runtime(
         options=options,
         configuration=configuration,
         kube=kube,
-        controller=Controller(options, Store(), kube),
+        controller=Controller(options, store, kube),
+        tripped=TrippedLoop(store, kube, now=utc_now, ttl_seconds=options.report_ttl_seconds),
     )
     kopf.run(
         registry=REGISTRY,

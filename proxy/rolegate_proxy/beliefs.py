@@ -1,0 +1,586 @@
+"""What the proxy believes about each machine (SPEC B1, B2, B7): the ledger.
+
+A belief is held per (provider, model, machine) for two durations: the time to first token
+(TTFT) and the per-token gap. Each is log-normal with unknown location and spread, and the
+belief about those is Normal-Inverse-Gamma on the log scale (the conjugate prior), so every
+belief gives a posterior predictive (a Student-t on the log scale): a likelihood for an
+observed value and an honest spread, wider when little has been seen.
+
+* **The sheet prior.** A ProviderPolicy's published `ttftSeconds` and `tokensPerSecond`
+  seed a prior worth `sheet_weight` pseudo-observations, mean-matched (the published figure
+  is the prior's expected value; a rate becomes a gap of 1/rate). The prior never decays.
+* **Sightings.** Every arm files one `Sighting` (the winner, a race's loser, an arm that
+  errored, was cut or was abandoned): its TTFT, or the censored wait of an arm that never
+  saw a first token, and the sufficient statistics of its gaps (count, sum and sum of
+  squares of log gaps). Nothing per token is stored.
+* **Forgetting.** The data's pseudo-counts decay with a half-life and are capped, so a
+  night of fast answers does not outvote a fresh collapse, and after a long silence the
+  belief drifts back to the sheet. One stream's gaps count for at most `stream_weight`
+  pseudo-observations (its tokens are one stream's weather, not independent draws).
+* **Censored TTFT.** "No first token after T seconds" is evidence that TTFT >= T. When T
+  is beyond the belief's median it is filed as the belief's own expectation of log TTFT
+  given that it exceeded T (one EM-style imputation under the current predictive); below
+  the median it is nearly uninformative and is not filed. Either way a late first token
+  only ever moves the belief towards lateness.
+* **Unknown machines.** A machine with no published figure and no sighting has no belief
+  (None). Its first sighting gives it a weak prior (`learned_weight`) centred on what was
+  seen, and from then on it is a candidate, and refusable, like any other (SPEC B2).
+
+Pure: no I/O, no event loop; the clock is an argument. Memory is bounded (`max_keys`).
+See docs/patience.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+from rolegate_policy.config import ProxyConfig
+
+# Any observed duration is floored here before its log is taken (a burst of tokens in one
+# network read has a gap of "zero").
+MIN_SECONDS: Final = 1e-4
+# A published TTFT of 0 ("instant") is read as this.
+MIN_PUBLISHED_TTFT: Final = 1e-3
+_SQRT2: Final = math.sqrt(2.0)
+_LOG_SQRT_2PI: Final = 0.5 * math.log(2.0 * math.pi)
+
+
+class Source(StrEnum):
+    """Where a belief's prior came from."""
+
+    # A ProviderPolicy published figures for this machine.
+    SHEET = "sheet"
+    # Known only from sightings (an aggregator routed to it without our asking).
+    LEARNED = "learned"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class MachineKey:
+    """One machine serving one model behind one provider. For a direct (OpenAI-dialect)
+    provider the machine is the model's single machine name."""
+
+    provider: str
+    model: str
+    machine: str
+
+    def describe(self) -> str:
+        return f"{self.machine} serving {self.model} at {self.provider}"
+
+
+# --- what one arm saw -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GapStats:
+    """Sufficient statistics of a stream's per-token gaps on the log scale: how many, the
+    sum of log gaps and the sum of their squares (seconds)."""
+
+    count: float = 0.0
+    sum_log: float = 0.0
+    sum_sq: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> GapStats:
+        """`tokens` tokens that arrived `seconds` after the previous content: each is
+        counted as a gap of seconds / tokens."""
+        if tokens <= 0:
+            return self
+        y = math.log(max(seconds / tokens, MIN_SECONDS))
+        return GapStats(
+            self.count + tokens, self.sum_log + tokens * y, self.sum_sq + tokens * y * y
+        )
+
+    @classmethod
+    def of(cls, gaps: Iterable[float]) -> GapStats:
+        stats = cls()
+        for gap in gaps:
+            stats = stats.add(1, gap)
+        return stats
+
+    @property
+    def mean_log(self) -> float | None:
+        return self.sum_log / self.count if self.count > 0 else None
+
+    @property
+    def var_log(self) -> float | None:
+        """The population variance of the log gaps (0 for a single gap)."""
+        if self.count <= 0:
+            return None
+        mean = self.sum_log / self.count
+        return max(self.sum_sq / self.count - mean * mean, 0.0)
+
+    @property
+    def median_rate(self) -> float | None:
+        """Tokens per second at the median gap (exp of the mean log gap)."""
+        mean = self.mean_log
+        return None if mean is None else math.exp(-mean)
+
+
+@dataclass(frozen=True, slots=True)
+class Sighting:
+    """What one arm taught about its machine. `ttft` is the exact time to first token when
+    one arrived; `waited` is how long an arm that never saw a first token was waited on
+    before it was cut or abandoned (evidence that TTFT >= waited; never set for an arm that
+    failed with an error, which says nothing about when a token would have come). `gaps` are
+    the per-token gaps after the first token. `cut` marks an arm that ended before its answer
+    did (moved, lost a race, errored, abandoned): it teaches all the same. `at` is when it
+    was filed, on the ledger's clock."""
+
+    provider: str
+    model: str
+    machine: str
+    at: float
+    ttft: float | None = None
+    waited: float | None = None
+    gaps: GapStats = GapStats()
+    cut: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ttft is not None and self.waited is not None:
+            raise ValueError("a sighting has an exact TTFT or a censored wait, not both")
+
+    @property
+    def key(self) -> MachineKey:
+        return MachineKey(self.provider, self.model, self.machine)
+
+    @property
+    def teaches(self) -> bool:
+        return self.ttft is not None or bool(self.waited) or self.gaps.count > 0
+
+
+# --- the distributions ------------------------------------------------------------------------
+
+
+def upper_tail(z: float) -> float:
+    """P(Z > z) for a standard normal."""
+    return 0.5 * math.erfc(z / _SQRT2)
+
+
+def _normal_pdf(z: float) -> float:
+    return math.exp(-0.5 * z * z - _LOG_SQRT_2PI)
+
+
+def truncated_mean(mean: float, sd: float, floor: float) -> float:
+    """E[Y | Y >= floor] for Y ~ Normal(mean, sd^2); always >= max(floor, mean)."""
+    if sd <= 0:
+        return max(mean, floor)
+    alpha = (floor - mean) / sd
+    tail = upper_tail(alpha)
+    if tail < 1e-300:  # far in the tail: the inverse Mills ratio is ~alpha
+        return floor + sd / max(alpha, 1e-12)
+    return max(mean + sd * _normal_pdf(alpha) / tail, floor)
+
+
+@dataclass(frozen=True, slots=True)
+class LogNormal:
+    """A belief about a positive duration X: log X ~ Normal(mu, sigma^2) with (mu, sigma^2)
+    ~ Normal-Inverse-Gamma(m, kappa, a, b). `weight` is the data's pseudo-count behind it
+    (after forgetting, without the prior's)."""
+
+    m: float
+    kappa: float
+    a: float
+    b: float
+    weight: float = 0.0
+
+    @property
+    def sigma2(self) -> float:
+        """The posterior mean of sigma^2 (a > 1 always holds here)."""
+        return self.b / (self.a - 1.0)
+
+    @property
+    def dof(self) -> float:
+        """Degrees of freedom of the predictive Student-t on log X."""
+        return 2.0 * self.a
+
+    @property
+    def scale(self) -> float:
+        """Scale of the predictive Student-t on log X."""
+        return math.sqrt(self.b * (self.kappa + 1.0) / (self.a * self.kappa))
+
+    @property
+    def log_var(self) -> float:
+        """Variance of the predictive on log X: sigma2 * (1 + 1/kappa). Wide when little
+        has been seen (small kappa) or what was seen was scattered (large b)."""
+        return self.sigma2 * (1.0 + 1.0 / self.kappa)
+
+    @property
+    def log_sd(self) -> float:
+        return math.sqrt(self.log_var)
+
+    def median(self) -> float:
+        return math.exp(self.m)
+
+    def mean(self) -> float:
+        """The expected value of X: a log-normal's mean at the predictive's location and
+        variance, so uncertainty raises it (an unsure belief promises less)."""
+        return math.exp(self.m + 0.5 * self.log_var)
+
+    def upper(self, z: float) -> float:
+        """exp(m + z * sd): e.g. z = 2 is roughly the predictive's 97th percentile."""
+        return math.exp(self.m + z * self.log_sd)
+
+    def log_pdf(self, x: float) -> float:
+        """Log density of the predictive at x (seconds): Student-t on log x, with the
+        Jacobian, so it is a density of x itself."""
+        y = math.log(max(x, MIN_SECONDS))
+        nu, s = self.dof, self.scale
+        u = (y - self.m) / s
+        return (
+            math.lgamma((nu + 1.0) / 2.0)
+            - math.lgamma(nu / 2.0)
+            - 0.5 * math.log(nu * math.pi)
+            - math.log(s)
+            - (nu + 1.0) / 2.0 * math.log1p(u * u / nu)
+            - y
+        )
+
+    def residual(self, waited: float) -> float:
+        """E[X - waited | X > waited]: how much longer, on this belief, something that has
+        not happened after `waited` seconds is still expected to take."""
+        if waited <= 0:
+            return self.mean()
+        sd = self.log_sd
+        z = (math.log(waited) - self.m) / sd
+        tail = upper_tail(z)
+        if tail < 1e-300:
+            # Far in the tail the hazard is ~z / (sd * waited): mean residual ~ its inverse.
+            return waited * sd / max(z, 1e-12)
+        conditional = self.mean() * upper_tail(z - sd) / tail
+        return max(conditional - waited, 0.0)
+
+
+@dataclass(frozen=True, slots=True)
+class MachineBelief:
+    """What is believed about one machine now. Either part may be missing (a sheet that
+    publishes a TTFT but no rate, an arm cut before its second token)."""
+
+    key: MachineKey
+    source: Source
+    ttft: LogNormal | None
+    gap: LogNormal | None
+    sightings: int = 0
+    last_seen: float | None = None
+
+    @property
+    def expected_ttft(self) -> float | None:
+        return None if self.ttft is None else self.ttft.mean()
+
+    @property
+    def expected_gap(self) -> float | None:
+        return None if self.gap is None else self.gap.mean()
+
+    @property
+    def expected_rate(self) -> float | None:
+        """Tokens per second: 1 / expected gap."""
+        gap = self.expected_gap
+        return None if gap is None else 1.0 / gap
+
+    def expected_seconds(self, tokens: int) -> float | None:
+        """Expected time to a usable answer of `tokens` tokens: TTFT + tokens x gap. None
+        unless both parts are believed."""
+        if self.ttft is None or self.gap is None:
+            return None
+        return self.ttft.mean() + max(tokens, 0) * self.gap.mean()
+
+    def gap_log_pdf(self, gap: float) -> float | None:
+        return None if self.gap is None else self.gap.log_pdf(gap)
+
+    def ttft_log_pdf(self, ttft: float) -> float | None:
+        return None if self.ttft is None else self.ttft.log_pdf(ttft)
+
+
+# --- the ledger -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerSettings:
+    # Pseudo-counts of data halve every this many seconds of the ledger's clock.
+    half_life_seconds: float = 1800.0
+    # What a ProviderPolicy's published figure is worth, in observations.
+    sheet_weight: float = 3.0
+    # What the prior a first sighting seeds for a machine with no published figure is worth.
+    learned_weight: float = 1.0
+    # Prior spread (sd of the log) around a published or first-seen TTFT and gap.
+    ttft_log_sd: float = 0.6
+    gap_log_sd: float = 0.5
+    # One stream's gaps count for at most this many observations.
+    stream_weight: float = 8.0
+    # The data behind one quantity never weighs more than this (after forgetting).
+    max_weight: float = 40.0
+    # Machines tracked at most (least recently sighted dropped first); sheet priors are
+    # bounded by the configuration and kept apart.
+    max_keys: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.half_life_seconds <= 0:
+            raise ValueError("half_life_seconds must be positive")
+        if min(self.sheet_weight, self.learned_weight, self.stream_weight) <= 0:
+            raise ValueError("weights must be positive")
+        if self.max_weight < self.stream_weight:
+            raise ValueError("max_weight must be at least stream_weight")
+        if min(self.ttft_log_sd, self.gap_log_sd) <= 0:
+            raise ValueError("prior spreads must be positive")
+        if self.max_keys < 1:
+            raise ValueError("max_keys must be at least 1")
+
+
+@dataclass(frozen=True, slots=True)
+class _Prior:
+    m: float
+    kappa: float
+    a: float
+    b: float
+
+    @classmethod
+    def around(cls, value: float, log_sd: float, weight: float, *, mean: bool) -> _Prior:
+        """A prior worth `weight` observations whose expected value (mean=True) or median
+        (mean=False) is `value`, with a spread of `log_sd` on the log scale."""
+        var = log_sd * log_sd
+        m = math.log(max(value, MIN_SECONDS))
+        if mean:
+            m -= 0.5 * var * (1.0 + 1.0 / weight)
+        return cls(m, weight, 1.0 + weight / 2.0, var * weight / 2.0)
+
+    @classmethod
+    def around_log(cls, m: float, log_sd: float, weight: float) -> _Prior:
+        var = log_sd * log_sd
+        return cls(m, weight, 1.0 + weight / 2.0, var * weight / 2.0)
+
+
+@dataclass(slots=True)
+class _Stats:
+    """Weighted, decaying sufficient statistics of log observations."""
+
+    n: float = 0.0
+    s1: float = 0.0
+    s2: float = 0.0
+    at: float = -math.inf
+
+    def decayed(self, now: float, half_life: float) -> tuple[float, float, float]:
+        if self.n <= 0:
+            return 0.0, 0.0, 0.0
+        elapsed = max(0.0, now - self.at)
+        factor = 0.5 ** (elapsed / half_life)
+        return self.n * factor, self.s1 * factor, self.s2 * factor
+
+    def add(
+        self, weight: float, mean: float, var: float, now: float, settings: LedgerSettings
+    ) -> None:
+        n, s1, s2 = self.decayed(now, settings.half_life_seconds)
+        n += weight
+        s1 += weight * mean
+        s2 += weight * (var + mean * mean)
+        if n > settings.max_weight:
+            shrink = settings.max_weight / n
+            n, s1, s2 = n * shrink, s1 * shrink, s2 * shrink
+        self.n, self.s1, self.s2 = n, s1, s2
+        self.at = now if self.at == -math.inf else max(self.at, now)
+
+    def posterior(self, prior: _Prior, now: float, half_life: float) -> LogNormal:
+        n, s1, s2 = self.decayed(now, half_life)
+        if n <= 1e-9:
+            return LogNormal(prior.m, prior.kappa, prior.a, prior.b, 0.0)
+        mean = s1 / n
+        scatter = max(s2 - n * mean * mean, 0.0)
+        kappa = prior.kappa + n
+        m = (prior.kappa * prior.m + s1) / kappa
+        a = prior.a + n / 2.0
+        b = prior.b + scatter / 2.0 + prior.kappa * n * (mean - prior.m) ** 2 / (2.0 * kappa)
+        return LogNormal(m, kappa, a, b, n)
+
+
+@dataclass(frozen=True, slots=True)
+class _Sheet:
+    ttft: _Prior | None
+    gap: _Prior | None
+
+
+@dataclass(slots=True)
+class _Entry:
+    ttft: _Stats
+    gap: _Stats
+    # Priors seeded by the first sighting of each part: used when no sheet figure exists.
+    ttft_prior: _Prior | None = None
+    gap_prior: _Prior | None = None
+    sightings: int = 0
+    last_seen: float | None = None
+
+
+class Ledger:
+    """Every belief of one proxy process. Pure: `now` (seconds, one clock throughout) is
+    passed in; nothing sleeps. Not thread-safe; the proxy's event loop is its only caller.
+
+    `load_sheet(config)` (re)reads the published figures; `note(sighting)` files an arm's
+    measurement; `belief(...)` reads one machine's belief at a moment; `machines(...)`
+    lists every machine of a (provider, model) that has a belief, including those known
+    only from sightings."""
+
+    def __init__(self, settings: LedgerSettings | None = None) -> None:
+        self.settings = settings or LedgerSettings()
+        self._sheet: dict[MachineKey, _Sheet] = {}
+        self._entries: OrderedDict[MachineKey, _Entry] = OrderedDict()
+        self._index: dict[tuple[str, str], set[str]] = {}
+
+    def __len__(self) -> int:
+        """Machines with sightings held (bounded by `max_keys`)."""
+        return len(self._entries)
+
+    # -- the sheet ------------------------------------------------------------------------
+
+    def load_sheet(self, config: ProxyConfig) -> None:
+        """Seed priors from every machine's published figures. A reload replaces the
+        sheet; what was learned is kept (a machine dropped from the sheet keeps its
+        learned prior)."""
+        settings = self.settings
+        sheet: dict[MachineKey, _Sheet] = {}
+        for provider in config.providers:
+            for model in provider.models:
+                for machine in model.machines:
+                    ttft = gap = None
+                    if machine.ttft_seconds is not None:
+                        ttft = _Prior.around(
+                            max(machine.ttft_seconds, MIN_PUBLISHED_TTFT),
+                            settings.ttft_log_sd,
+                            settings.sheet_weight,
+                            mean=True,
+                        )
+                    if machine.tokens_per_second is not None and machine.tokens_per_second > 0:
+                        gap = _Prior.around(
+                            1.0 / machine.tokens_per_second,
+                            settings.gap_log_sd,
+                            settings.sheet_weight,
+                            mean=True,
+                        )
+                    if ttft is not None or gap is not None:
+                        key = MachineKey(provider.name, model.name, machine.name)
+                        sheet[key] = _Sheet(ttft, gap)
+        for key in self._sheet:
+            if key not in sheet and key not in self._entries:
+                self._unindex(key)
+        self._sheet = sheet
+        for key in sheet:
+            self._indexed(key)
+
+    # -- reading --------------------------------------------------------------------------
+
+    def belief(self, provider: str, model: str, machine: str, now: float) -> MachineBelief | None:
+        """The belief about one machine at `now` (forgetting applied), or None when
+        nothing was ever published or seen about it."""
+        return self.belief_of(MachineKey(provider, model, machine), now)
+
+    def belief_of(self, key: MachineKey, now: float) -> MachineBelief | None:
+        sheet = self._sheet.get(key)
+        entry = self._entries.get(key)
+        half_life = self.settings.half_life_seconds
+        ttft_prior = sheet.ttft if sheet is not None and sheet.ttft is not None else None
+        gap_prior = sheet.gap if sheet is not None and sheet.gap is not None else None
+        if entry is not None:
+            ttft_prior = ttft_prior or entry.ttft_prior
+            gap_prior = gap_prior or entry.gap_prior
+        if ttft_prior is None and gap_prior is None:
+            return None
+        stats_ttft = entry.ttft if entry is not None else _Stats()
+        stats_gap = entry.gap if entry is not None else _Stats()
+        return MachineBelief(
+            key,
+            Source.SHEET if sheet is not None else Source.LEARNED,
+            None if ttft_prior is None else stats_ttft.posterior(ttft_prior, now, half_life),
+            None if gap_prior is None else stats_gap.posterior(gap_prior, now, half_life),
+            entry.sightings if entry is not None else 0,
+            entry.last_seen if entry is not None else None,
+        )
+
+    def machines(self, provider: str, model: str) -> tuple[str, ...]:
+        """Every machine of (provider, model) with a belief, sheet or learned, by name."""
+        return tuple(sorted(self._index.get((provider, model), ())))
+
+    def keys(self) -> Iterator[MachineKey]:
+        """Every machine with a belief, in key order."""
+        for (provider, model), machines in sorted(self._index.items()):
+            for machine in sorted(machines):
+                yield MachineKey(provider, model, machine)
+
+    def beliefs(self, now: float) -> list[MachineBelief]:
+        """Every belief at `now`, in key order (for the state the proxy exposes)."""
+        found = (self.belief_of(key, now) for key in self.keys())
+        return [belief for belief in found if belief is not None]
+
+    # -- learning -------------------------------------------------------------------------
+
+    def note(self, sighting: Sighting) -> MachineBelief | None:
+        """File one arm's measurement; returns the belief afterwards. Any arm may file:
+        the winner, a race's loser, an arm that errored, was cut or was abandoned."""
+        key = sighting.key
+        if not sighting.teaches:
+            return self.belief_of(key, sighting.at)
+        settings = self.settings
+        now = sighting.at
+        entry = self._entry(key)
+        entry.sightings += 1
+        entry.last_seen = now if entry.last_seen is None else max(entry.last_seen, now)
+        sheet = self._sheet.get(key)
+
+        # Time to first token: exact, or censored at the moment the arm was given up on.
+        if sighting.ttft is not None or sighting.waited:
+            prior = sheet.ttft if sheet is not None and sheet.ttft is not None else None
+            prior = prior or entry.ttft_prior
+            seen = sighting.ttft if sighting.ttft is not None else sighting.waited
+            assert seen is not None
+            y = math.log(max(seen, MIN_SECONDS))
+            if prior is None:
+                # First word about this machine's TTFT: a weak prior centred on it (for a
+                # censored wait, on the wait itself: a lower bound, so an underestimate).
+                entry.ttft_prior = _Prior.around_log(
+                    y, settings.ttft_log_sd, settings.learned_weight
+                )
+                entry.ttft.add(1.0, y, 0.0, now, settings)
+            elif sighting.ttft is not None:
+                entry.ttft.add(1.0, y, 0.0, now, settings)
+            else:
+                current = entry.ttft.posterior(prior, now, settings.half_life_seconds)
+                if y > current.m:
+                    imputed = truncated_mean(current.m, current.log_sd, y)
+                    entry.ttft.add(1.0, imputed, 0.0, now, settings)
+
+        # Per-token gaps: one stream is worth at most stream_weight observations.
+        gaps = sighting.gaps
+        mean, var = gaps.mean_log, gaps.var_log
+        if mean is not None and var is not None:
+            weight = min(gaps.count, settings.stream_weight)
+            if (sheet is None or sheet.gap is None) and entry.gap_prior is None:
+                entry.gap_prior = _Prior.around_log(
+                    mean, settings.gap_log_sd, settings.learned_weight
+                )
+            entry.gap.add(weight, mean, var, now, settings)
+        return self.belief_of(key, now)
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def _entry(self, key: MachineKey) -> _Entry:
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            return entry
+        entry = self._entries[key] = _Entry(_Stats(), _Stats())
+        self._indexed(key)
+        while len(self._entries) > self.settings.max_keys:
+            victim, _ = self._entries.popitem(last=False)
+            if victim not in self._sheet:
+                self._unindex(victim)
+        return entry
+
+    def _indexed(self, key: MachineKey) -> None:
+        self._index.setdefault((key.provider, key.model), set()).add(key.machine)
+
+    def _unindex(self, key: MachineKey) -> None:
+        machines = self._index.get((key.provider, key.model))
+        if machines is None:
+            return
+        machines.discard(key.machine)
+        if not machines:
+            del self._index[(key.provider, key.model)]

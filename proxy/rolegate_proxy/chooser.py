@@ -1,0 +1,457 @@
+"""Which machines a request may go to, in what order, and why (SPEC B1-B4).
+
+For a request in a role, each candidate (a model of the role on a provider serving it, in
+the role's order) gets a `Choice`: every machine of that (provider, model) that the
+ProviderPolicy names or the ledger knows about, each with its fate and the reason.
+
+* **Refusal (B1).** A machine whose expected time to a usable answer (expected TTFT plus
+  the role's expected output tokens times the expected gap, from its belief) exceeds the
+  role's patience is refused with reason `patience`. A machine whose TTFT alone is
+  expected past the patience is refused too, even when its rate is unknown. A hard
+  exclusion (breaker, rate limit, auth, quota) refuses with the exclusion's reason; a
+  machine that already failed in this request is refused with reason `failed`.
+* **Ranking.** The admitted machines are ranked by `rank_key` (default: expected time, an
+  unknown machine last); the quality issue plugs its score in there.
+* **Affinity (B3).** The machine that last answered for the role leads its candidate's
+  order unless it is refused now, and a refused machine loses the pin.
+* **Unknown machines (B2).** Machines known only from the ledger (an aggregator routed to
+  them unasked) are candidates, and refusable by name, like those on the sheet.
+* **Ruling (B4).** An aggregator gets `order` + `ignore` (every refused machine) +
+  `allow_fallbacks: true`, or `only` of the admitted machines with `allow_fallbacks:
+  false`, following the role's effective ruling (`Auto` is resolved at compile time). An
+  empty admitted set is never an empty `only`: the candidate is skipped with a reason.
+  When no candidate of the request has an admitted machine, `Plan.last_resort()` offers
+  the best candidate whose machines were refused only for patience as an `order` of them
+  (a slow answer beats none); hard exclusions are never sent to.
+
+Pure: the clock and the exclusion lookup are arguments; nothing here sends anything.
+See docs/patience.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Final
+
+from rolegate_policy.config import CompiledRole, Ruling
+
+from .beliefs import Ledger, MachineBelief, MachineKey
+from .exclusions import Exclusion
+from .routing import Candidate, aggregator_routing
+
+# (provider, model, machine or None for a direct provider, now) -> why it may not be sent
+# to. `Breakers.exclusion` is one: a read that changes nothing.
+ExclusionLookup = Callable[[str, str, str | None, float], Exclusion | None]
+
+PATIENCE: Final = "patience"
+FAILED: Final = "failed"
+AFFINITY: Final = "affinity"
+# Roles whose affinity pin is remembered at most (roles come from the RoleTable).
+MAX_PINS: Final = 1024
+
+
+class Fate(StrEnum):
+    ADMITTED = "admitted"
+    # Refused: expected time to a usable answer beyond the role's patience.
+    PATIENCE = "patience"
+    # Refused: a breaker or a hard exclusion (rate limit, auth, quota).
+    EXCLUDED = "excluded"
+    # Refused: it already failed in this request.
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class MachineFate:
+    """One machine of a candidate, what became of it and why (for the decision log).
+
+    `reason` is one word: for an admitted machine `affinity` (it leads by the pin),
+    `believed` or `unknown` (no belief); for a refused one `patience`, `failed` or the
+    exclusion's reason (`UpstreamErrors`, `RateLimited`, ...). `detail` is for a person."""
+
+    machine: str
+    fate: Fate
+    reason: str
+    detail: str
+    expected_seconds: float | None = None
+    # Named in the ProviderPolicy (False: known only from sightings).
+    on_sheet: bool = True
+    continues_partial: bool = False
+    exclusion: Exclusion | None = None
+    belief: MachineBelief | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def admitted(self) -> bool:
+        return self.fate is Fate.ADMITTED
+
+    @property
+    def expected_ttft(self) -> float | None:
+        return None if self.belief is None else self.belief.expected_ttft
+
+    @property
+    def expected_rate(self) -> float | None:
+        return None if self.belief is None else self.belief.expected_rate
+
+
+RankKey = Callable[[MachineFate], float]
+
+
+def by_expected_time(fate: MachineFate) -> float:
+    """The default rank: expected time to a usable answer; a machine without one last."""
+    return math.inf if fate.expected_seconds is None else fate.expected_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Alternative:
+    """A machine the request could move to (SPEC B5, B6): its belief, and whether it can
+    continue a partial assistant message (so it can take over after content reached the
+    client). Only machines with both a TTFT and a gap belief are alternatives."""
+
+    key: MachineKey
+    belief: MachineBelief
+    continues_partial: bool = False
+
+    @property
+    def expected_ttft(self) -> float:
+        value = self.belief.expected_ttft
+        assert value is not None
+        return value
+
+    @property
+    def expected_gap(self) -> float:
+        value = self.belief.expected_gap
+        assert value is not None
+        return value
+
+    def expected_seconds(self, tokens: float) -> float:
+        """Switching cost plus the rest: expected TTFT + tokens x expected gap."""
+        return self.expected_ttft + max(tokens, 0.0) * self.expected_gap
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One candidate of a request: every machine's fate, and what to send.
+
+    `routing` is the aggregator's `provider` object (None for a direct provider, or when
+    the candidate is skipped). `skip_reason` says why nothing is sent to this candidate
+    (None: send). `ruling` is the ruling the routing follows. `pinned` names the machine
+    leading by affinity. `last_resort` marks the relaxed choice of `Plan.last_resort()`."""
+
+    role: str
+    provider: str
+    model: str
+    aggregator: bool
+    ruling: Ruling
+    fates: tuple[MachineFate, ...]
+    routing: dict[str, Any] | None = field(default=None, compare=False)
+    skip_reason: str | None = None
+    pinned: str | None = None
+    last_resort: bool = False
+
+    @property
+    def sendable(self) -> bool:
+        return self.skip_reason is None
+
+    @property
+    def admitted(self) -> tuple[str, ...]:
+        """The admitted machines, in rank order (the pinned one first)."""
+        return tuple(f.machine for f in self.fates if f.admitted)
+
+    @property
+    def refused(self) -> tuple[str, ...]:
+        return tuple(f.machine for f in self.fates if not f.admitted)
+
+    def fate(self, machine: str) -> MachineFate | None:
+        for fate in self.fates:
+            if fate.machine == machine:
+                return fate
+        return None
+
+    def key(self, machine: str) -> MachineKey:
+        return MachineKey(self.provider, self.model, machine)
+
+    def describe(self) -> str:
+        """One line for the decision log."""
+        head = f"{self.provider}/{self.model} ruling={self.ruling.value}"
+        if self.skip_reason is not None:
+            head += f" skipped: {self.skip_reason}"
+        parts = [f"{f.machine}={f.fate.value}({f.reason})" for f in self.fates]
+        return head + ("; " + ", ".join(parts) if parts else "")
+
+    def relaxed(self) -> Choice | None:
+        """When nothing was admitted: an `order` of the machines refused only for patience
+        (ranked by expected time, every other refused machine in `ignore`, fallbacks
+        allowed), or None when every machine is hard-excluded or failed."""
+        if self.admitted:
+            return None
+        slow = sorted(
+            (f for f in self.fates if f.fate is Fate.PATIENCE),
+            key=lambda f: (by_expected_time(f), f.machine),
+        )
+        if not slow:
+            return None
+        others = tuple(f for f in self.fates if f.fate is not Fate.PATIENCE)
+        routing: dict[str, Any] | None = None
+        if self.aggregator:
+            routing = {"order": [f.machine for f in slow], "allow_fallbacks": True}
+            if others:
+                routing["ignore"] = [f.machine for f in others]
+        return Choice(
+            self.role,
+            self.provider,
+            self.model,
+            self.aggregator,
+            Ruling.ORDER,
+            (*slow, *others),
+            routing,
+            None,
+            None,
+            last_resort=True,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Every candidate of a request, in the role's order."""
+
+    role: str
+    choices: tuple[Choice, ...]
+    # The affinity pin this plan dropped because its machine is refused now.
+    unpinned: MachineKey | None = None
+
+    def sendable(self) -> tuple[Choice, ...]:
+        return tuple(c for c in self.choices if c.sendable)
+
+    def frontier(self) -> tuple[Alternative, ...]:
+        """Every admitted machine of the request with a complete belief, in plan order:
+        what the mid-stream rate test may compare a serving machine with."""
+        found: list[Alternative] = []
+        for choice in self.choices:
+            for fate in choice.fates:
+                if not fate.admitted or fate.belief is None:
+                    continue
+                if fate.belief.ttft is None or fate.belief.gap is None:
+                    continue
+                found.append(
+                    Alternative(choice.key(fate.machine), fate.belief, fate.continues_partial)
+                )
+        return tuple(found)
+
+    def last_resort(self) -> Choice | None:
+        """None while any candidate is sendable; otherwise the first candidate whose
+        machines were refused only for patience, relaxed into an `order` (B4: an empty
+        admitted set falls back to `order`, never to an empty `only`)."""
+        if self.sendable():
+            return None
+        for choice in self.choices:
+            relaxed = choice.relaxed()
+            if relaxed is not None:
+                return relaxed
+        return None
+
+
+class Chooser:
+    """Plans requests from the ledger's beliefs and the breakers' exclusions, and holds
+    each role's affinity pin. Pure; `now` is passed in. Not thread-safe."""
+
+    def __init__(self, ledger: Ledger, *, rank_key: RankKey = by_expected_time) -> None:
+        self.ledger = ledger
+        self.rank_key = rank_key
+        self._pins: dict[str, MachineKey] = {}
+
+    # -- affinity -------------------------------------------------------------------------
+
+    def answered(self, role: str, key: MachineKey) -> None:
+        """The machine `key` answered for `role`: it leads that role's next order."""
+        self._pins.pop(role, None)
+        self._pins[role] = key
+        while len(self._pins) > MAX_PINS:
+            del self._pins[next(iter(self._pins))]
+
+    def pinned(self, role: str) -> MachineKey | None:
+        return self._pins.get(role)
+
+    # -- planning -------------------------------------------------------------------------
+
+    def plan(
+        self,
+        role: CompiledRole,
+        candidates: Sequence[Candidate],
+        exclusion: ExclusionLookup,
+        now: float,
+        *,
+        avoid: Collection[MachineKey] = (),
+    ) -> Plan:
+        """Every candidate's choice, in order. `avoid`: machines that failed earlier in
+        this request."""
+        unpinned: MachineKey | None = None
+        choices: list[Choice] = []
+        for candidate in candidates:
+            pin = self._pins.get(role.name)
+            choices.append(self.choose(role, candidate, exclusion, now, avoid=avoid))
+            if pin is not None and self._pins.get(role.name) is None:
+                unpinned = pin
+        return Plan(role.name, tuple(choices), unpinned)
+
+    def choose(
+        self,
+        role: CompiledRole,
+        candidate: Candidate,
+        exclusion: ExclusionLookup,
+        now: float,
+        *,
+        avoid: Collection[MachineKey] | Collection[str] = (),
+    ) -> Choice:
+        """One candidate's choice. `avoid` names machines that failed earlier in this
+        request (MachineKeys, or bare machine names of this candidate)."""
+        provider, model = candidate.provider.name, candidate.model.name
+        aggregator = candidate.is_aggregator
+        sheet = {machine.name: machine for machine in candidate.model.machines}
+        if aggregator:
+            names = sorted(set(sheet) | set(self.ledger.machines(provider, model)))
+        else:
+            names = [candidate.model.machines[0].name] if candidate.model.machines else []
+        failed = _names(avoid, provider, model)
+        tokens = role.expected_output_tokens
+        patience = role.patience_seconds
+
+        fates: list[MachineFate] = []
+        for name in names:
+            belief = self.ledger.belief(provider, model, name, now)
+            expected = None if belief is None else belief.expected_seconds(tokens)
+            compiled = sheet.get(name)
+            common: dict[str, Any] = {
+                "expected_seconds": expected,
+                "on_sheet": compiled is not None,
+                "continues_partial": compiled is not None and compiled.continues_partial_message,
+                "belief": belief,
+            }
+            excluded = exclusion(provider, model, name if aggregator else None, now)
+            if name in failed:
+                fate = MachineFate(
+                    name, Fate.FAILED, FAILED, "failed earlier in this request", **common
+                )
+            elif excluded is not None:
+                fate = MachineFate(
+                    name,
+                    Fate.EXCLUDED,
+                    excluded.reason.value,
+                    excluded.describe(),
+                    exclusion=excluded,
+                    **common,
+                )
+            elif (why := _beyond_patience(belief, expected, tokens, patience)) is not None:
+                fate = MachineFate(name, Fate.PATIENCE, PATIENCE, why, **common)
+            else:
+                known = expected is not None
+                detail = (
+                    f"expected {expected:.1f} s for {tokens} tokens, within {patience:g} s"
+                    if expected is not None
+                    else "no belief yet: admitted, ranked last"
+                )
+                fate = MachineFate(
+                    name, Fate.ADMITTED, "believed" if known else "unknown", detail, **common
+                )
+            fates.append(fate)
+
+        admitted = sorted(
+            (f for f in fates if f.admitted), key=lambda f: (self.rank_key(f), f.machine)
+        )
+        refused = sorted(
+            (f for f in fates if not f.admitted),
+            key=lambda f: (_REFUSAL_ORDER[f.fate], by_expected_time(f), f.machine),
+        )
+        pinned = self._apply_pin(role.name, provider, model, admitted, refused)
+        ruling = Ruling.ONLY if role.effective_ruling is Ruling.ONLY else Ruling.ORDER
+        ordered = (*admitted, *refused)
+        if not admitted:
+            reasons = ", ".join(f"{f.machine}: {f.reason}" for f in refused) or "none listed"
+            return Choice(
+                role.name,
+                provider,
+                model,
+                aggregator,
+                ruling,
+                ordered,
+                None,
+                f"no machine of this model may be sent to ({reasons})",
+                None,
+            )
+        routing = None
+        if aggregator:
+            routing = aggregator_routing(
+                role, [f.machine for f in admitted], [f.machine for f in refused]
+            )
+        return Choice(
+            role.name, provider, model, aggregator, ruling, ordered, routing, None, pinned
+        )
+
+    def _apply_pin(
+        self,
+        role: str,
+        provider: str,
+        model: str,
+        admitted: list[MachineFate],
+        refused: list[MachineFate],
+    ) -> str | None:
+        pin = self._pins.get(role)
+        if pin is None or pin.provider != provider or pin.model != model:
+            return None
+        if any(f.machine == pin.machine for f in refused):
+            # A refused machine never keeps the pin (B3).
+            del self._pins[role]
+            return None
+        for index, fate in enumerate(admitted):
+            if fate.machine == pin.machine:
+                led = MachineFate(
+                    fate.machine,
+                    fate.fate,
+                    AFFINITY,
+                    f"answered last for this role; {fate.detail}",
+                    fate.expected_seconds,
+                    fate.on_sheet,
+                    fate.continues_partial,
+                    fate.exclusion,
+                    fate.belief,
+                )
+                del admitted[index]
+                admitted.insert(0, led)
+                return pin.machine
+        return None
+
+
+_REFUSAL_ORDER: Final = {Fate.EXCLUDED: 0, Fate.FAILED: 1, Fate.PATIENCE: 2, Fate.ADMITTED: 3}
+
+
+def _names(avoid: Collection[MachineKey] | Collection[str], provider: str, model: str) -> set[str]:
+    names: set[str] = set()
+    for item in avoid:
+        if isinstance(item, MachineKey):
+            if item.provider == provider and item.model == model:
+                names.add(item.machine)
+        else:
+            names.add(item)
+    return names
+
+
+def _beyond_patience(
+    belief: MachineBelief | None, expected: float | None, tokens: int, patience: float
+) -> str | None:
+    if belief is None:
+        return None
+    if expected is not None:
+        if expected > patience:
+            ttft, rate = belief.expected_ttft, belief.expected_rate
+            assert ttft is not None
+            assert rate is not None
+            return (
+                f"expected {expected:.1f} s (TTFT {ttft:.1f} s + {tokens} tokens at "
+                f"{rate:.1f} tok/s) exceeds the role's patience of {patience:g} s"
+            )
+        return None
+    ttft = belief.expected_ttft
+    if ttft is not None and ttft > patience:
+        return f"expected TTFT alone ({ttft:.1f} s) exceeds the role's patience of {patience:g} s"
+    return None

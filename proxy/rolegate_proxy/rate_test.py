@@ -1,0 +1,479 @@
+"""Watching one arm as it answers (SPEC B5, B6, B7): the mid-stream rate test.
+
+A `Watch` follows one upstream attempt from the moment it is sent. It is told of every
+content event (`observe(now, tokens)`) and of the passing of time (`observe(now)`), and it
+answers with an `Act` when the request should move: `ttft` (the first token is late),
+`rate` (the stream has fallen decisively behind what this request could have elsewhere)
+or `deadline` (the role's patience ran out on a stream that was keeping up).
+
+**The one predicate.** `reading(now)` decides, in one place, both which clock the
+ceiling runs on and which reason an act carries, so they can never disagree:
+
+* no first token yet: the `first_token` clock; the act is `ttft`;
+* producing, and the rate test has decided "fallen behind": the `rate` clock (the ceiling
+  is the moment it decided); the act is `rate`;
+* producing and keeping up: the `patience` clock (the request's start plus the role's
+  patience); the act is `deadline`.
+
+**The rate test** is a Wald sequential probability ratio test on the serving stream's
+per-token gaps. With R tokens still expected, the best admissible alternative A (least
+expected TTFT + R x gap: its switching cost included) would finish the rest in M seconds,
+so r_e = R / M is the break-even rate. With tolerance rho (default 2):
+
+* H0, keeping up: the stream writes at r0 = max(r_S, r_e / rho), where r_S is the serving
+  machine's believed rate: a machine writing as believed is never moved unless even its
+  belief is rho times worse than what moving offers;
+* H1, fallen behind: the stream writes at r1 = r_e / rho^2 (moving would finish the rest
+  rho^2 times sooner).
+
+Each content event of k tokens over dt seconds is an observation y = log(dt / k); under
+either hypothesis y is normal (log-normal gaps, the mean of k of them moment-matched) with
+the serving belief's predictive variance, floored: a wide belief makes each token weak
+evidence, a narrow one strong. The per-event log-likelihood ratio is clipped to
+[-clip, clip] (Huber's robust test: no single gap, a pause or a burst, decides), and the
+sum is floored at B so that a long healthy stretch does not bank credit that would hide a
+later collapse. A `rate` act needs the sum at A and at least `min_gaps` gaps.
+A = log((1 - beta) / alpha), B = log(beta / (1 - alpha)); with alpha = 0.01 (false move)
+and beta = 0.05 (missed move), A = 4.55 and B = -2.99. See docs/patience.md for the error
+rates, measured and bounded.
+
+**The late first token.** Before the first token, the arm is late once the wait exceeds
+its own belief's exp(m + z sd) (z = 2: ~97th percentile) or once a first token could no
+longer give a usable answer within the role's patience; a `ttft` act is then made if an
+alternative is expected to finish sooner than waiting on (its TTFT + R x gap against this
+arm's expected remaining wait + R x gap), and in any case once the patience is spent.
+
+What an act leads to is B6's business (the caller): before content reached the client, a
+race; after, a continuation on an alternative that continues partial messages; otherwise
+the slow stream is kept and the ledger learns. `Act.movable` says whether the named
+alternative can take over. Each reason acts at most once per watch.
+
+Pure: the clock is an argument, nothing sleeps, nothing is sent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+from rolegate_policy.config import CompiledRole
+
+from .beliefs import MIN_SECONDS, GapStats, MachineBelief, MachineKey, Sighting
+from .chooser import Alternative
+
+
+class ActReason(StrEnum):
+    RATE = "rate"
+    TTFT = "ttft"
+    DEADLINE = "deadline"
+
+
+class Clock(StrEnum):
+    # Waiting for the first token: the ceiling is when it becomes late.
+    FIRST_TOKEN = "first_token"
+    # Producing, but fallen decisively behind: the ceiling is the moment that was decided.
+    RATE = "rate"
+    # Producing and keeping up: the ceiling is the request's start plus the role's patience.
+    PATIENCE = "patience"
+
+
+class ArmEnd(StrEnum):
+    """How an arm ended, for what it teaches."""
+
+    # Its answer completed.
+    FINISHED = "finished"
+    # We ended it: moved away, lost a race, timed out waiting for a byte.
+    CUT = "cut"
+    # The client went away.
+    ABANDONED = "abandoned"
+    # The upstream failed: an error status, a broken stream. Before a first token this says
+    # nothing about when one would have come.
+    ERRORED = "errored"
+
+
+@dataclass(frozen=True, slots=True)
+class WatchSettings:
+    # alpha: the probability the test moves a stream that is keeping up (one test).
+    false_move: float = 0.01
+    # beta: the probability it keeps a stream that has fallen behind (one test).
+    missed_move: float = 0.05
+    # rho: how much sooner moving must finish the rest before it is worth it (see above).
+    tolerance: float = 2.0
+    # No single content event is worth more than this many nats either way.
+    clip: float = 2.0
+    # Token gaps seen before a rate act may be made.
+    min_gaps: int = 8
+    # A first token is late past exp(m + late_z * sd) of the machine's TTFT belief.
+    late_z: float = 2.0
+    # Floor on the per-token log-gap sd the test assumes (network jitter is never less).
+    min_log_sd: float = 0.2
+    # The per-token log-gap sd assumed for a serving machine with no gap belief.
+    default_log_sd: float = 0.5
+    # The rest of an answer is never assumed shorter than this share of the expected.
+    tail_share: float = 0.25
+    # How often a waiting arm wants to be looked at when nothing arrives.
+    tick_seconds: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not (0 < self.false_move < 1 and 0 < self.missed_move < 1):
+            raise ValueError("error rates must be in (0, 1)")
+        if self.false_move + self.missed_move >= 1:
+            raise ValueError("false_move + missed_move must be below 1")
+        if self.tolerance <= 1:
+            raise ValueError("tolerance must be above 1")
+        if self.clip <= 0 or self.min_log_sd <= 0 or self.default_log_sd <= 0:
+            raise ValueError("clip and spreads must be positive")
+
+    @property
+    def upper(self) -> float:
+        """Wald's A = log((1 - beta) / alpha): the sum at which the stream has fallen behind."""
+        return math.log((1.0 - self.missed_move) / self.false_move)
+
+    @property
+    def lower(self) -> float:
+        """Wald's B = log(beta / (1 - alpha)): the floor the sum is held at."""
+        return math.log(self.missed_move / (1.0 - self.false_move))
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """The one predicate's answer at a moment: whether the arm is keeping up, the clock
+    its ceiling runs on, the reason an act at that ceiling carries, the ceiling itself,
+    and the alternative an act would name (None: none would do better)."""
+
+    keeping_up: bool
+    clock: Clock
+    reason: ActReason
+    ceiling: float | None
+    alternative: Alternative | None
+    movable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Act:
+    """The request should move (or, with no alternative, the fact that it could not)."""
+
+    reason: ActReason
+    alternative: Alternative | None
+    # The alternative can take over now: nothing has reached the client (a race), or it
+    # continues partial messages. False: keep the stream (B6) and let the ledger learn.
+    movable: bool
+    at: float
+    tokens: int
+    waited: float
+    llr: float
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Decision:
+    at: float
+    alternative: Alternative
+    movable: bool
+    detail: str
+
+
+_NOTHING: Final = (None, False)
+
+
+class Watch:
+    """The watch on one arm. `sent_at` is when this arm was sent (its TTFT clock),
+    `started_at` when the client's request began (the patience clock; default sent_at).
+    `serving` and `belief` name the machine answering, when known (an aggregator names it
+    in its first chunk: call `identify`). `frontier` is the request's admitted machines
+    (`Plan.frontier()`); the serving machine is left out of it. `streams_to_client`: content
+    reaches the client as it arrives (after the first token only alternatives that continue
+    partial messages can take over). `delivered`: tokens earlier arms already delivered."""
+
+    def __init__(
+        self,
+        role: CompiledRole,
+        *,
+        sent_at: float,
+        started_at: float | None = None,
+        serving: MachineKey | None = None,
+        belief: MachineBelief | None = None,
+        frontier: Sequence[Alternative] = (),
+        streams_to_client: bool = True,
+        delivered: int = 0,
+        settings: WatchSettings | None = None,
+    ) -> None:
+        self.settings = settings or WatchSettings()
+        self.patience = role.patience_seconds
+        self.expected_tokens = max(role.expected_output_tokens, 1)
+        self.sent_at = sent_at
+        self.started_at = sent_at if started_at is None else started_at
+        self.serving = serving
+        self.belief = belief
+        self.frontier = tuple(frontier)
+        self.streams_to_client = streams_to_client
+        self.delivered = max(delivered, 0)
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.tokens = 0
+        self.llr = 0.0
+        self.acts: list[Act] = []
+        self._gaps = GapStats()
+        self._decision: _Decision | None = None
+        self._acted: set[ActReason] = set()
+
+    # -- what is known ----------------------------------------------------------------------
+
+    def identify(self, serving: MachineKey, belief: MachineBelief | None) -> None:
+        """The machine answering became known (an aggregator's chunk named it)."""
+        self.serving = serving
+        self.belief = belief
+
+    @property
+    def deadline(self) -> float:
+        return self.started_at + self.patience
+
+    @property
+    def gaps(self) -> GapStats:
+        return self._gaps
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_at is None else self.first_at - self.sent_at
+
+    @property
+    def keeping_up(self) -> bool:
+        """The rate test's state: False once it has decided the stream fell behind."""
+        return self._decision is None
+
+    def remaining(self) -> float:
+        """Tokens still expected: the role's expectation less what was delivered, never
+        below `tail_share` of it."""
+        seen = self.delivered + self.tokens
+        floor = max(1.0, math.ceil(self.expected_tokens * self.settings.tail_share))
+        return max(float(self.expected_tokens - seen), floor)
+
+    # -- the one predicate ------------------------------------------------------------------
+
+    def reading(self, now: float) -> Reading:
+        if self.first_at is None:
+            ceiling, alternative, movable = self._first_token(now)
+            return Reading(
+                now < ceiling, Clock.FIRST_TOKEN, ActReason.TTFT, ceiling, alternative, movable
+            )
+        if self._decision is not None:
+            decision = self._decision
+            return Reading(
+                False,
+                Clock.RATE,
+                ActReason.RATE,
+                decision.at,
+                decision.alternative,
+                decision.movable,
+            )
+        alternative, movable = self._better_than_keeping(now)
+        return Reading(
+            True, Clock.PATIENCE, ActReason.DEADLINE, self.deadline, alternative, movable
+        )
+
+    def next_check(self, now: float) -> float | None:
+        """When this watch next wants `observe(now)` if nothing arrives (None: never)."""
+        reading = self.reading(now)
+        if reading.reason in self._acted or reading.ceiling is None:
+            return None
+        if reading.clock is Clock.FIRST_TOKEN and reading.ceiling <= now:
+            # Late, but nothing better yet: look again shortly, and at the deadline.
+            return min(now + self.settings.tick_seconds, max(self.deadline, now))
+        return max(reading.ceiling, now)
+
+    # -- events -----------------------------------------------------------------------------
+
+    def observe(self, now: float, tokens: int = 0) -> Act | None:
+        """A content event carrying `tokens` tokens arrived at `now`, or (tokens=0) time
+        passed. Returns the act now due, if any."""
+        if tokens > 0:
+            if self.first_at is None:
+                self.first_at = self.last_at = now
+            else:
+                assert self.last_at is not None
+                elapsed = max(now - self.last_at, 0.0)
+                self._test(tokens, elapsed, now)
+                self._gaps = self._gaps.add(tokens, elapsed)
+                self.last_at = now
+            self.tokens += tokens
+        return self._due(now)
+
+    def sighting(self, at: float, end: ArmEnd) -> Sighting | None:
+        """What this arm teaches the ledger (B7), however it ended; None when the machine
+        is unknown or nothing was measured. A wait with no first token is filed as
+        censored only for an arm we cut or the client abandoned."""
+        if self.serving is None:
+            return None
+        ttft = self.ttft
+        waited = None
+        if ttft is None and end in (ArmEnd.CUT, ArmEnd.ABANDONED):
+            waited = max(at - self.sent_at, 0.0)
+        sighting = Sighting(
+            self.serving.provider,
+            self.serving.model,
+            self.serving.machine,
+            at,
+            ttft=ttft,
+            waited=waited,
+            gaps=self._gaps,
+            cut=end is not ArmEnd.FINISHED,
+        )
+        return sighting if sighting.teaches else None
+
+    # -- inside -----------------------------------------------------------------------------
+
+    def _due(self, now: float) -> Act | None:
+        reading = self.reading(now)
+        if reading.reason in self._acted or reading.ceiling is None:
+            return None
+        if reading.clock is Clock.FIRST_TOKEN:
+            past_patience = now >= self.deadline
+            late = now >= reading.ceiling and reading.alternative is not None
+            if not (past_patience or late):
+                return None
+        elif now < reading.ceiling:
+            return None
+        act = Act(
+            reading.reason,
+            reading.alternative,
+            reading.movable,
+            now,
+            self.tokens,
+            now - self.sent_at,
+            self.llr,
+            self._detail(reading, now),
+        )
+        self._acted.add(reading.reason)
+        self.acts.append(act)
+        return act
+
+    def _admissible(self) -> list[tuple[Alternative, bool]]:
+        others = [a for a in self.frontier if a.key != self.serving]
+        if self.first_at is None or not self.streams_to_client:
+            return [(a, True) for a in others]
+        continuing = [a for a in others if a.continues_partial]
+        if continuing:
+            return [(a, True) for a in continuing]
+        return [(a, False) for a in others]
+
+    def _best(self, tokens: float) -> tuple[Alternative, bool] | None:
+        admissible = self._admissible()
+        if not admissible:
+            return None
+        return min(admissible, key=lambda pair: (pair[0].expected_seconds(tokens), pair[0].key))
+
+    def _serving_gap(self) -> float | None:
+        if self.belief is not None and self.belief.gap is not None:
+            return self.belief.gap.mean()
+        return None
+
+    def _first_token(self, now: float) -> tuple[float, Alternative | None, bool]:
+        """The waiting arm's ceiling, and the alternative if moving now beats waiting."""
+        settings = self.settings
+        rest = self.remaining()
+        best = self._best(rest)
+        ttft_belief = None if self.belief is None else self.belief.ttft
+        if best is None:
+            return self.deadline, None, False
+        alternative, movable = best
+        gap = self._serving_gap()
+        gap = alternative.expected_gap if gap is None else gap
+        if ttft_belief is not None:
+            late_at = self.sent_at + ttft_belief.upper(settings.late_z)
+        else:
+            late_at = self.sent_at + settings.tolerance * alternative.expected_ttft
+        ceiling = min(late_at, self.deadline - rest * gap)
+        waited = max(now - self.sent_at, 0.0)
+        residual = ttft_belief.residual(waited) if ttft_belief is not None else waited
+        keep = residual + rest * gap
+        move = alternative.expected_seconds(rest)
+        if move < keep:
+            return ceiling, alternative, movable
+        return ceiling, None, False
+
+    def _better_than_keeping(self, now: float) -> tuple[Alternative | None, bool]:
+        rest = self.remaining()
+        best = self._best(rest)
+        if best is None:
+            return _NOTHING
+        gap = self._observed_gap() or self._serving_gap()
+        if gap is None:
+            return _NOTHING
+        alternative, movable = best
+        if alternative.expected_seconds(rest) < rest * gap:
+            return alternative, movable
+        return _NOTHING
+
+    def _observed_gap(self) -> float | None:
+        if self._gaps.count < self.settings.min_gaps:
+            return None
+        mean, var = self._gaps.mean_log, self._gaps.var_log
+        assert mean is not None
+        assert var is not None
+        return math.exp(mean + var / 2.0)
+
+    def _test(self, tokens: int, elapsed: float, now: float) -> None:
+        """One SPRT step for an event of `tokens` tokens `elapsed` seconds after the last."""
+        if self._decision is not None:
+            return
+        settings = self.settings
+        rest = self.remaining()
+        best = self._best(rest)
+        if best is None:
+            return
+        alternative, movable = best
+        var = self._log_var()
+        even = rest / alternative.expected_seconds(rest)
+        believed = self._serving_gap()
+        keep_rate = even / settings.tolerance
+        if believed is not None:
+            keep_rate = max(keep_rate, 1.0 / believed)
+        behind_rate = even / settings.tolerance**2
+        # The log of the mean of k log-normal gaps: variance shrinks with k, moment-matched.
+        var_k = math.log1p(math.expm1(var) / tokens)
+        mu0 = -math.log(keep_rate) - var_k / 2.0
+        mu1 = -math.log(behind_rate) - var_k / 2.0
+        y = math.log(max(elapsed / tokens, MIN_SECONDS))
+        step = ((y - mu0) ** 2 - (y - mu1) ** 2) / (2.0 * var_k)
+        step = min(max(step, -settings.clip), settings.clip)
+        self.llr = max(self.llr + step, settings.lower)
+        gaps = self._gaps.count + tokens
+        if self.llr >= settings.upper and gaps >= settings.min_gaps:
+            observed = gaps / max(now - (self.first_at or now), MIN_SECONDS)
+            self._decision = _Decision(
+                now,
+                alternative,
+                movable,
+                f"{int(gaps)} gaps at {observed:.1f} tok/s; kept at {keep_rate:.1f} tok/s, "
+                f"behind at {behind_rate:.1f}; {alternative.key.describe()} would finish "
+                f"{rest:.0f} tokens in {alternative.expected_seconds(rest):.1f} s",
+            )
+
+    def _log_var(self) -> float:
+        settings = self.settings
+        if self.belief is not None and self.belief.gap is not None:
+            var = self.belief.gap.log_var
+        else:
+            var = settings.default_log_sd**2
+        return max(var, settings.min_log_sd**2)
+
+    def _detail(self, reading: Reading, now: float) -> str:
+        waited = now - self.sent_at
+        where = (
+            f"; move to {reading.alternative.key.describe()}"
+            + ("" if reading.movable else " (cannot take over: keep)")
+            if reading.alternative is not None
+            else "; nothing better to move to"
+        )
+        if reading.reason is ActReason.RATE:
+            assert self._decision is not None
+            return (
+                f"rate: log LR {self.llr:.2f} >= {self.settings.upper:.2f} after "
+                f"{self._decision.detail}{where}"
+            )
+        if reading.reason is ActReason.TTFT:
+            return f"ttft: no first token after {waited:.2f} s{where}"
+        return f"deadline: patience of {self.patience:g} s spent at {self.tokens} tokens{where}"
