@@ -23,8 +23,10 @@ so r_e = R / M is the break-even rate. With tolerance rho (default 2):
 * H0, keeping up: the stream writes at r0 = max(r_S, r_e / rho), where r_S is the serving
   machine's believed rate: a machine writing as believed is never moved unless even its
   belief is rho times worse than what moving offers;
-* H1, fallen behind: the stream writes at r1 = r_e / rho^2 (moving would finish the rest
-  rho^2 times sooner).
+* H1, fallen behind: the stream writes at r1 = min(r0, r_e) / rho^2: rho^2 times slower
+  than it should, and at least rho^2 times slower than moving would finish the rest.
+  The indifference point (where the evidence drifts neither way) is ~r1 x rho: a stream
+  is moved only when it writes at about a rho-th of the rate it was kept at or less.
 
 Each content event of k tokens over dt seconds is an observation y = log(dt / k); under
 either hypothesis y is normal (log-normal gaps, the mean of k of them moment-matched) with
@@ -431,7 +433,7 @@ class Watch:
         keep_rate = even / settings.tolerance
         if believed is not None:
             keep_rate = max(keep_rate, 1.0 / believed)
-        behind_rate = even / settings.tolerance**2
+        behind_rate = min(keep_rate, even) / settings.tolerance**2
         # The log of the mean of k log-normal gaps: variance shrinks with k, moment-matched.
         var_k = math.log1p(math.expm1(var) / tokens)
         mu0 = -math.log(keep_rate) - var_k / 2.0
