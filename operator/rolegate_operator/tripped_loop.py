@@ -90,6 +90,10 @@ class TrippedLoop:
                 writes += 1
                 log.info("reports expired resource=%s pods=%s", key, ",".join(view.expired_pods))
             existing = find_condition(status, TRIPPED)
+            if existing is None and not view.live_pods:
+                # No proxy pod has reported on this provider: nothing to say yet.
+                self._views[key] = view
+                continue
             desired = condition_body(view, existing, now)
             if not _same(existing, desired) or (status.get("tripped") or "") != view.summary:
                 self._kube.apply_status(

@@ -527,19 +527,20 @@ class Ledger:
 
         # Time to first token: exact, or censored at the moment the arm was given up on.
         if sighting.ttft is not None or sighting.waited:
-            prior = sheet.ttft if sheet is not None and sheet.ttft is not None else None
-            prior = prior or entry.ttft_prior
             seen = sighting.ttft if sighting.ttft is not None else sighting.waited
             assert seen is not None
             y = math.log(max(seen, MIN_SECONDS))
-            if prior is None:
-                # First word about this machine's TTFT: a weak prior centred on it (for a
-                # censored wait, on the wait itself: a lower bound, so an underestimate).
+            # The first word about this machine's TTFT seeds a weak prior centred on it (for
+            # a censored wait, on the wait itself: a lower bound, so an underestimate). It
+            # serves when the sheet has no figure, or stops having one.
+            fresh = entry.ttft_prior is None
+            if entry.ttft_prior is None:
                 entry.ttft_prior = _Prior.around_log(
                     y, settings.ttft_log_sd, settings.learned_weight
                 )
-                entry.ttft.add(1.0, y, 0.0, now, settings)
-            elif sighting.ttft is not None:
+            sheet_prior = sheet.ttft if sheet is not None else None
+            prior = sheet_prior or entry.ttft_prior
+            if sighting.ttft is not None or (fresh and sheet_prior is None):
                 entry.ttft.add(1.0, y, 0.0, now, settings)
             else:
                 current = entry.ttft.posterior(prior, now, settings.half_life_seconds)
@@ -552,7 +553,7 @@ class Ledger:
         mean, var = gaps.mean_log, gaps.var_log
         if mean is not None and var is not None:
             weight = min(gaps.count, settings.stream_weight)
-            if (sheet is None or sheet.gap is None) and entry.gap_prior is None:
+            if entry.gap_prior is None:
                 entry.gap_prior = _Prior.around_log(
                     mean, settings.gap_log_sd, settings.learned_weight
                 )

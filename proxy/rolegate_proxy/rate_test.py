@@ -105,7 +105,7 @@ class WatchSettings:
     # rho: how much sooner moving must finish the rest before it is worth it (see above).
     tolerance: float = 2.0
     # No single content event is worth more than this many nats either way.
-    clip: float = 2.0
+    clip: float = 1.0
     # Token gaps seen before a rate act may be made.
     min_gaps: int = 8
     # A first token is late past exp(m + late_z * sd) of the machine's TTFT belief.

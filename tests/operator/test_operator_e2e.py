@@ -7,6 +7,7 @@ resources with kubectl and polls (bounded) for the ConfigMap, statuses and Event
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -244,7 +245,10 @@ def test_proxy_owned_status_survives_the_operators_writes(
     operator = start_operator()
     wait_for(lambda: observed(cluster, "pp", "router", "True", 1), "router accepted")
 
-    # A proxy pod writes its own part of the status, as its own field manager.
+    # A proxy pod writes its own part of the status (its report), as its own field manager.
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    breaker = {"scope": "Model", "model": "qwen/qwen3-coder", "state": "Open"}
+    breaker |= {"reason": "EmptyResponses", "since": now}
     configuration = client.Configuration()
     config.load_kube_config(  # type: ignore[no-untyped-call]
         config_file=str(cluster.plane.kubeconfig), client_configuration=configuration
@@ -257,41 +261,35 @@ def test_proxy_owned_status_survives_the_operators_writes(
                 "kind": "ProviderPolicy",
                 "metadata": {"name": "router", "namespace": cluster.namespace},
                 "status": {
-                    "conditions": [
-                        {
-                            "type": "Tripped", "status": "True", "reason": "EmptyResponses",
-                            "message": "model qwen/qwen3-coder",
-                            "lastTransitionTime": "2025-01-01T00:00:00Z",
-                        }
-                    ],
-                    "tripped": "model qwen/qwen3-coder",
-                    "reports": [
-                        {"pod": "proxy-0", "observedAt": "2025-01-01T00:00:00Z", "breakers": []}
-                    ],
+                    "reports": [{"pod": "proxy-0", "observedAt": now, "breakers": [breaker]}]
                 },
             },
             field_manager="rolegate-proxy/proxy-0", force=True,
             _content_type="application/apply-patch+yaml",
         )  # fmt: skip
 
-    # A spec edit makes the operator write Accepted again.
+    # A spec edit makes the operator write Accepted again; the report makes it write Tripped.
     cluster.apply(with_spec(ROUTER, timeouts={"connectSeconds": 2}))
-    after = wait_for(
-        lambda: observed(cluster, "pp", "router", "True", 2),
-        "router generation 2",
-        operator=operator,
-    )
+
+    def settled() -> dict[str, Any] | None:
+        obj = observed(cluster, "pp", "router", "True", 2)
+        if obj is None or obj["status"].get("tripped") != "qwen/qwen3-coder":
+            return None
+        return obj
+
+    after = wait_for(settled, "router generation 2, tripped", operator=operator)
     status = after["status"]
     assert [c["type"] for c in status["conditions"]] == ["Accepted", "Tripped"]
     assert status["conditions"][1]["reason"] == "EmptyResponses"
-    assert status["tripped"] == "model qwen/qwen3-coder"
+    assert "on 1 of 1 pods" in status["conditions"][1]["message"]
     assert [r["pod"] for r in status["reports"]] == ["proxy-0"]
-    # The operator owns exactly its fields; the proxy still owns its own.
+    # The compile loop owns exactly its fields; the proxy still owns its report.
     (mine,) = operator_managed_fields(after)
     owned = mine["fieldsV1"]["f:status"]
     assert set(owned) == {"f:conditions", "f:observedGeneration"}
     assert list(owned["f:conditions"]) == ['k:{"type":"Accepted"}']
-    assert any(e["manager"] == "rolegate-proxy/proxy-0" for e in after["metadata"]["managedFields"])
+    managers = {e["manager"] for e in after["metadata"]["managedFields"]}
+    assert {"rolegate-proxy/proxy-0", "rolegate-operator/tripped"} <= managers
 
 
 def test_deleting_a_resource_drops_it_and_a_restart_rewrites_nothing(

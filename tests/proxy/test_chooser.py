@@ -1,0 +1,468 @@
+"""The chooser (SPEC B1-B4): refusal by patience and by exclusion, ranking, the ruling,
+affinity and unknown machines. Pure: the clock and the exclusion lookup are arguments.
+Includes seed 003's case 3 (a refusal that names a machine only an answer told us of)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rolegate_policy.config import (
+    BreakerSettings,
+    CompiledMachine,
+    CompiledModel,
+    CompiledProvider,
+    CompiledRole,
+    Dialect,
+    ProxyConfig,
+    Ruling,
+    Visibility,
+)
+from rolegate_proxy.beliefs import GapStats, Ledger, MachineKey, Sighting
+from rolegate_proxy.breaker import Breakers, Outcome
+from rolegate_proxy.chooser import (
+    Chooser,
+    Fate,
+    MachineFate,
+    by_expected_time,
+)
+from rolegate_proxy.exclusions import Exclusion
+from rolegate_proxy.routing import Candidate, plan_candidates
+
+AGG, DIRECT = "openrouter", "localvllm"
+NEMO, CODER = "mistralai/mistral-nemo", "qwen/qwen3-coder"
+Machines = tuple[tuple[str, float | None, float | None], ...]
+
+
+def provider(
+    name: str, models: dict[str, Machines], *, dialect: Dialect = Dialect.AGGREGATOR
+) -> CompiledProvider:
+    return CompiledProvider(
+        name=name,
+        source="test",
+        endpoint="http://upstream.invalid/v1",
+        dialect=dialect,
+        models=tuple(
+            CompiledModel(
+                name=model,
+                machines=tuple(
+                    CompiledMachine(
+                        name=n,
+                        ttft_seconds=t,
+                        tokens_per_second=r,
+                        continues_partial_message=n.startswith("cont"),
+                    )
+                    for n, t, r in machines
+                ),
+            )
+            for model, machines in models.items()
+        ),
+    )
+
+
+def role(
+    name: str = "agent",
+    models: tuple[str, ...] = (CODER,),
+    *,
+    patience: float = 60.0,
+    tokens: int = 600,
+    visibility: Visibility = Visibility.WATCHED,
+    ruling: Ruling = Ruling.ORDER,
+) -> CompiledRole:
+    return CompiledRole(
+        name=name,
+        source="test",
+        models=models,
+        patience_seconds=patience,
+        visibility=visibility,
+        ruling=ruling,
+        effective_ruling=ruling,
+        ruling_reason="test",
+        expected_output_tokens=tokens,
+    )
+
+
+def setup(*providers: CompiledProvider) -> tuple[ProxyConfig, Ledger, Chooser]:
+    config = ProxyConfig(providers=providers)
+    ledger = Ledger()
+    ledger.load_sheet(config)
+    return config, ledger, Chooser(ledger)
+
+
+def nothing_excluded(_p: str, _m: str, _machine: str | None, _now: float) -> Exclusion | None:
+    return None
+
+
+def breakers() -> Breakers:
+    return Breakers(lambda _p: BreakerSettings(jitter_fraction=0.0), random.Random(0))
+
+
+def candidate(config: ProxyConfig, provider_name: str, model: str) -> Candidate:
+    found = config.provider(provider_name)
+    assert found is not None
+    compiled = found.model(model)
+    assert compiled is not None
+    return Candidate(found, compiled)
+
+
+def answered(ledger: Ledger, machine: str, at: float, *, ttft: float, rate: float) -> None:
+    gaps = GapStats.of([1.0 / rate] * 300)
+    ledger.note(Sighting(AGG, CODER, machine, at, ttft=ttft, gaps=gaps))
+
+
+CODERS: Machines = (("fast", 0.5, 120.0), ("steady", 1.0, 60.0), ("crawler", 2.0, 5.0))
+
+
+# --- refusal and the ruling -------------------------------------------------------------------
+
+
+def test_a_machine_expected_past_the_patience_is_refused_and_goes_to_ignore() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    assert choice.sendable
+    assert choice.admitted == ("fast", "steady")  # ranked by expected time
+    assert choice.refused == ("crawler",)
+    crawler = choice.fate("crawler")
+    assert crawler is not None
+    assert crawler.fate is Fate.PATIENCE
+    assert crawler.reason == "patience"
+    assert crawler.expected_seconds == pytest.approx(2.0 + 600 / 5.0)
+    assert "exceeds the role's patience of 60 s" in crawler.detail
+    assert choice.routing == {
+        "order": ["fast", "steady"],
+        "ignore": ["crawler"],
+        "allow_fallbacks": True,
+    }
+
+
+def test_the_only_ruling_demands_the_admitted_set() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    reflex = role("reflex", patience=60.0, visibility=Visibility.UNWATCHED, ruling=Ruling.ONLY)
+    choice = chooser.choose(reflex, candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    assert choice.ruling is Ruling.ONLY
+    assert choice.routing == {"only": ["fast", "steady"], "allow_fallbacks": False}
+
+
+def test_seed_case_3_reflex_sends_only_and_a_watched_role_sends_order_and_ignore() -> None:
+    # The keypress-lookup tier: 200 tokens, 3 s patience, nobody watching (Auto -> Only).
+    nemo: Machines = (("deepinfra", 0.3, 150.0), ("mistral", 0.4, 90.0), ("slowpoke", 1.5, 40.0))
+    config, _, chooser = setup(provider(AGG, {NEMO: nemo}))
+    reflex = role(
+        "reflex",
+        (NEMO,),
+        patience=3.0,
+        tokens=200,
+        visibility=Visibility.UNWATCHED,
+        ruling=Ruling.ONLY,
+    )
+    agent = role("agent", (NEMO,), patience=120.0, tokens=200)
+    lookup = chooser.choose(reflex, candidate(config, AGG, NEMO), nothing_excluded, 0.0)
+    step = chooser.choose(agent, candidate(config, AGG, NEMO), nothing_excluded, 0.0)
+    assert lookup.routing == {"only": ["deepinfra", "mistral"], "allow_fallbacks": False}
+    assert lookup.refused == ("slowpoke",)
+    assert step.routing == {
+        "order": ["deepinfra", "mistral", "slowpoke"],
+        "allow_fallbacks": True,
+    }
+
+
+def test_a_ttft_alone_past_the_patience_refuses_a_machine_with_no_rate() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: (("ok", 0.5, 100.0), ("lag", 90.0, None))}))
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    lag = choice.fate("lag")
+    assert lag is not None
+    assert lag.fate is Fate.PATIENCE
+    assert "TTFT alone" in lag.detail
+
+
+def test_hard_exclusions_refuse_with_the_breakers_reason() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    breaker = breakers()
+    breaker.record(Outcome.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), breaker.exclusion, 1.0)
+    fast = choice.fate("fast")
+    assert fast is not None
+    assert fast.fate is Fate.EXCLUDED
+    assert fast.reason == "RateLimited"
+    assert fast.exclusion is not None
+    assert choice.routing == {
+        "order": ["steady"],
+        "ignore": ["fast", "crawler"],
+        "allow_fallbacks": True,
+    }
+    # After the Retry-After it is back.
+    later = chooser.choose(role(), candidate(config, AGG, CODER), breaker.exclusion, 40.0)
+    assert later.admitted == ("fast", "steady")
+
+
+def test_a_machine_that_failed_in_this_request_is_refused() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    cand = candidate(config, AGG, CODER)
+    by_name = chooser.choose(role(), cand, nothing_excluded, 0.0, avoid=["fast"])
+    by_key = chooser.choose(
+        role(), cand, nothing_excluded, 0.0, avoid=[MachineKey(AGG, CODER, "fast")]
+    )
+    other_model = chooser.choose(
+        role(), cand, nothing_excluded, 0.0, avoid=[MachineKey(AGG, NEMO, "fast")]
+    )
+    for choice in (by_name, by_key):
+        fast = choice.fate("fast")
+        assert fast is not None
+        assert fast.reason == "failed"
+        assert choice.admitted == ("steady",)
+    assert other_model.admitted == ("fast", "steady")
+
+
+def test_an_empty_admitted_set_is_skipped_never_an_empty_only() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    tight = role(patience=1.0, ruling=Ruling.ONLY, visibility=Visibility.UNWATCHED)
+    choice = chooser.choose(tight, candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    assert not choice.sendable
+    assert choice.routing is None
+    assert choice.admitted == ()
+    assert choice.skip_reason is not None
+    assert "fast: patience" in choice.skip_reason
+
+
+def test_with_nothing_admitted_anywhere_the_last_resort_is_an_order_of_the_slow() -> None:
+    # B4: an empty admitted set falls back to `order` (a slow answer beats none); a
+    # hard-excluded machine stays in `ignore`.
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    breaker = breakers()
+    breaker.record(Outcome.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
+    tight = role(patience=5.0, ruling=Ruling.ONLY, visibility=Visibility.UNWATCHED)
+    plan = chooser.plan(tight, plan_candidates(tight, config), breaker.exclusion, 1.0)
+    assert plan.sendable() == ()
+    fallback = plan.last_resort()
+    assert fallback is not None
+    assert fallback.last_resort
+    assert fallback.sendable
+    assert fallback.ruling is Ruling.ORDER
+    assert fallback.routing == {
+        "order": ["steady", "crawler"],
+        "ignore": ["fast"],
+        "allow_fallbacks": True,
+    }
+    # While anything is admitted there is no last resort.
+    roomy = role(patience=60.0)
+    assert (
+        chooser.plan(roomy, plan_candidates(roomy, config), breaker.exclusion, 1.0).last_resort()
+        is None
+    )
+
+
+def test_every_machine_hard_excluded_leaves_no_last_resort() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: (("fast", 0.5, 120.0),)}))
+    breaker = breakers()
+    breaker.record(Outcome.http_error(AGG, CODER, 401), 0.0)
+    plan = chooser.plan(role(), plan_candidates(role(), config), breaker.exclusion, 1.0)
+    assert plan.sendable() == ()
+    assert plan.last_resort() is None
+
+
+def test_a_direct_provider_is_its_own_single_machine() -> None:
+    direct = provider(DIRECT, {CODER: ((DIRECT, 0.2, 40.0),)}, dialect=Dialect.OPENAI)
+    config, _, chooser = setup(direct)
+    asked: list[str | None] = []
+
+    def lookup(p: str, m: str, machine: str | None, now: float) -> Exclusion | None:
+        asked.append(machine)
+        return None
+
+    choice = chooser.choose(role(), candidate(config, DIRECT, CODER), lookup, 0.0)
+    assert asked == [None]  # the breaker keys a direct provider without a machine
+    assert choice.sendable
+    assert choice.routing is None
+    assert choice.admitted == (DIRECT,)
+    slow = chooser.choose(role(patience=5.0), candidate(config, DIRECT, CODER), lookup, 0.0)
+    assert not slow.sendable
+    relaxed = slow.relaxed()
+    assert relaxed is not None
+    assert relaxed.routing is None
+    assert relaxed.admitted == ()
+    assert relaxed.fates[0].machine == DIRECT
+
+
+# --- unknown machines (B2) --------------------------------------------------------------------
+
+
+def test_seed_case_3_an_unknown_machine_becomes_a_candidate_and_is_refused_by_name() -> None:
+    # 09:33:10 "lane": "DeepInfra", "served": "DekaLLM": the aggregator served a machine
+    # with no sheet row. Before it answered it could not be named in `ignore`.
+    nemo: Machines = (("deepinfra", 0.3, 150.0), ("mistral", 0.4, 90.0))
+    config, ledger, chooser = setup(provider(AGG, {NEMO: nemo}))
+    reflex = role(
+        "reflex",
+        (NEMO,),
+        patience=3.0,
+        tokens=200,
+        visibility=Visibility.UNWATCHED,
+        ruling=Ruling.ORDER,
+    )
+    cand = candidate(config, AGG, NEMO)
+    before = chooser.choose(reflex, cand, nothing_excluded, 0.0)
+    assert "dekallm" not in {f.machine for f in before.fates}
+
+    # It answered, fast enough once: it has a belief and is a candidate.
+    ledger.note(Sighting(AGG, NEMO, "dekallm", 10.0, ttft=0.4, gaps=GapStats.of([1 / 100.0] * 200)))
+    known = chooser.choose(reflex, cand, nothing_excluded, 11.0)
+    deka = known.fate("dekallm")
+    assert deka is not None
+    assert deka.admitted
+    assert not deka.on_sheet
+    assert known.routing is not None
+    assert "dekallm" in known.routing["order"]
+
+    # Then it took 10.7 s: its belief passes the patience, and it is refused by name.
+    for at in (20.0, 30.0):
+        ledger.note(
+            Sighting(AGG, NEMO, "dekallm", at, ttft=6.0, gaps=GapStats.of([1 / 40.0] * 200))
+        )
+    refused = chooser.choose(reflex, cand, nothing_excluded, 31.0)
+    deka = refused.fate("dekallm")
+    assert deka is not None
+    assert deka.fate is Fate.PATIENCE
+    assert refused.routing is not None
+    assert refused.routing["ignore"] == ["dekallm"]
+    assert "dekallm" not in refused.routing["order"]
+
+
+def test_an_unknown_machine_with_half_a_belief_is_admitted_last() -> None:
+    config, ledger, chooser = setup(provider(AGG, {CODER: CODERS}))
+    ledger.note(Sighting(AGG, CODER, "newcomer", 1.0, ttft=0.3))
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 1.0)
+    assert choice.admitted == ("fast", "steady", "newcomer")
+    newcomer = choice.fate("newcomer")
+    assert newcomer is not None
+    assert newcomer.reason == "unknown"
+
+
+# --- affinity (B3) ----------------------------------------------------------------------------
+
+
+def test_the_machine_that_answered_leads_the_next_order() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    chooser.answered("agent", MachineKey(AGG, CODER, "steady"))
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    assert choice.pinned == "steady"
+    assert choice.admitted == ("steady", "fast")
+    steady = choice.fate("steady")
+    assert steady is not None
+    assert steady.reason == "affinity"
+    # Only for that role.
+    other = chooser.choose(role("planner"), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    assert other.admitted == ("fast", "steady")
+
+
+def test_a_refused_machine_never_keeps_the_pin() -> None:
+    # Seed 003: the pin latched onto whichever machine answered; once it is refused it must
+    # let go, and it does not come back when the refusal clears.
+    config, ledger, chooser = setup(provider(AGG, {CODER: CODERS}))
+    chooser.answered("agent", MachineKey(AGG, CODER, "steady"))
+    for at in (1.0, 2.0, 3.0):
+        answered(ledger, "steady", at, ttft=1.0, rate=6.0)  # now believed at ~6 tok/s
+    plan = chooser.plan(role(), plan_candidates(role(), config), nothing_excluded, 3.0)
+    choice = plan.choices[0]
+    assert choice.pinned is None
+    assert choice.admitted == ("fast",)
+    assert plan.unpinned == MachineKey(AGG, CODER, "steady")
+    assert chooser.pinned("agent") is None
+    much_later = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 1e6)
+    assert much_later.admitted == ("fast", "steady")
+    assert much_later.pinned is None
+
+
+def test_a_hard_exclusion_drops_the_pin_too() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    chooser.answered("agent", MachineKey(AGG, CODER, "fast"))
+    breaker = breakers()
+    breaker.record(Outcome.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), breaker.exclusion, 1.0)
+    assert choice.pinned is None
+    assert chooser.pinned("agent") is None
+
+
+def test_a_pin_on_another_model_leaves_this_order_alone() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS, NEMO: (("deepinfra", 0.3, 150.0),)}))
+    chooser.answered("agent", MachineKey(AGG, NEMO, "deepinfra"))
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    assert choice.pinned is None
+    assert chooser.pinned("agent") == MachineKey(AGG, NEMO, "deepinfra")
+
+
+# --- the plan, the frontier, the seam ---------------------------------------------------------
+
+
+def test_the_plan_follows_the_roles_order_and_its_frontier_is_the_admitted() -> None:
+    direct = provider(DIRECT, {NEMO: ((DIRECT, 0.2, 200.0),)}, dialect=Dialect.OPENAI)
+    config, _, chooser = setup(
+        provider(AGG, {CODER: (*CODERS, ("contfast", 0.6, 110.0), ("blank", None, None))}),
+        direct,
+    )
+    two = role(models=(CODER, NEMO))
+    plan = chooser.plan(two, plan_candidates(two, config), nothing_excluded, 0.0)
+    assert [(c.provider, c.model) for c in plan.choices] == [(AGG, CODER), (DIRECT, NEMO)]
+    frontier = plan.frontier()
+    assert [a.key.machine for a in frontier] == ["fast", "contfast", "steady", DIRECT]
+    assert [a.continues_partial for a in frontier] == [False, True, False, False]
+    assert frontier[0].expected_seconds(600) == pytest.approx(0.5 + 600 / 120.0)
+    described = plan.choices[0].describe()
+    assert "crawler=patience(patience)" in described
+    assert "blank=admitted(unknown)" in described
+
+
+def test_the_rank_key_is_a_seam_for_a_score() -> None:
+    config, ledger, _ = setup(provider(AGG, {CODER: CODERS}))
+
+    def by_name_backwards(fate: MachineFate) -> float:
+        return -float(ord(fate.machine[0]))
+
+    chooser = Chooser(ledger, rank_key=by_name_backwards)
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    assert choice.admitted == ("steady", "fast")
+    assert by_expected_time(choice.fates[-1]) > 60.0
+
+
+# --- properties -------------------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    figures=st.lists(
+        st.tuples(st.floats(0.01, 30.0), st.floats(0.5, 400.0)), min_size=1, max_size=6
+    ),
+    patience=st.floats(0.5, 300.0),
+    tokens=st.integers(1, 4000),
+    only=st.booleans(),
+)
+def test_refusal_iff_the_expectation_exceeds_the_patience(
+    figures: list[tuple[float, float]], patience: float, tokens: int, only: bool
+) -> None:
+    machines = tuple((f"m{i}", ttft, rate) for i, (ttft, rate) in enumerate(figures))
+    config, ledger, chooser = setup(provider(AGG, {CODER: machines}))
+    r = role(patience=patience, tokens=tokens, ruling=Ruling.ONLY if only else Ruling.ORDER)
+    choice = chooser.choose(r, candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    for name, ttft, rate in machines:
+        belief = ledger.belief(AGG, CODER, name, 0.0)
+        assert belief is not None
+        expected = belief.expected_seconds(tokens)
+        assert expected == pytest.approx(ttft + tokens / rate)
+        fate = choice.fate(name)
+        assert fate is not None
+        assert (fate.fate is Fate.PATIENCE) == (expected > patience)  # type: ignore[operator]
+    routing: dict[str, Any] | None = choice.routing
+    if not choice.admitted:
+        assert routing is None
+    elif only:
+        assert routing is not None
+        assert routing["only"] == list(choice.admitted)
+    else:
+        assert routing is not None
+        assert set(routing["order"]).isdisjoint(routing.get("ignore", []))
+        assert routing["order"] == list(choice.admitted)
+        expectations = [choice.fate(m).expected_seconds for m in choice.admitted]  # type: ignore[union-attr]
+        assert expectations == sorted(expectations)  # type: ignore[type-var]
