@@ -120,7 +120,11 @@ async def test_a_fault_shows_as_tripped_on_the_resource_and_recovers(stack: Stac
         return _pods(await stack.pp()) == {"proxy-a", "proxy-b"}
 
     await _eventually(both_report, "both pods' reports")
-    assert _tripped(await stack.pp()).get("status") == "False"
+
+    async def calm() -> bool:
+        return (await stack.columns()).get("TRIPPED") == "False"
+
+    await _eventually(calm, "Tripped=False once pods report")
 
     # The machine starts answering empty on 200 to ASCII prompts.
     await stack.faults([{"kind": "empty", "always": True}])
