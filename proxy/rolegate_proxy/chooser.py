@@ -112,18 +112,16 @@ class Alternative:
     key: MachineKey
     belief: MachineBelief
     continues_partial: bool = False
+    # Read once from the belief (a watch asks on every token).
+    expected_ttft: float = field(init=False, compare=False)
+    expected_gap: float = field(init=False, compare=False)
 
-    @property
-    def expected_ttft(self) -> float:
-        value = self.belief.expected_ttft
-        assert value is not None
-        return value
-
-    @property
-    def expected_gap(self) -> float:
-        value = self.belief.expected_gap
-        assert value is not None
-        return value
+    def __post_init__(self) -> None:
+        ttft, gap = self.belief.expected_ttft, self.belief.expected_gap
+        if ttft is None or gap is None:
+            raise ValueError(f"{self.key.describe()}: an alternative needs a TTFT and a gap belief")
+        object.__setattr__(self, "expected_ttft", ttft)
+        object.__setattr__(self, "expected_gap", gap)
 
     def expected_seconds(self, tokens: float) -> float:
         """Switching cost plus the rest: expected TTFT + tokens x expected gap."""

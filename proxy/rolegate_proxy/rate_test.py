@@ -211,6 +211,11 @@ class Watch:
         self.serving = serving
         self.belief = belief
         self.frontier = tuple(frontier)
+        self._others: tuple[Alternative, ...] = ()
+        self._continuing: tuple[Alternative, ...] = ()
+        self._believed_gap: float | None = None
+        self._log_var = 0.0
+        self._sort_frontier()
         self.streams_to_client = streams_to_client
         self.delivered = max(delivered, 0)
         self.first_at: float | None = None
@@ -228,6 +233,15 @@ class Watch:
         """The machine answering became known (an aggregator's chunk named it)."""
         self.serving = serving
         self.belief = belief
+        self._sort_frontier()
+
+    def _sort_frontier(self) -> None:
+        self._others = tuple(a for a in self.frontier if a.key != self.serving)
+        self._continuing = tuple(a for a in self._others if a.continues_partial)
+        gap = None if self.belief is None else self.belief.gap
+        self._believed_gap = None if gap is None else gap.mean()
+        var = self.settings.default_log_sd**2 if gap is None else gap.log_var
+        self._log_var = max(var, self.settings.min_log_sd**2)
 
     @property
     def deadline(self) -> float:
@@ -256,6 +270,8 @@ class Watch:
     # -- the one predicate ------------------------------------------------------------------
 
     def reading(self, now: float) -> Reading:
+        """The one predicate: which clock the ceiling runs on and the reason an act at it
+        carries, decided together (see the module's docstring)."""
         if self.first_at is None:
             ceiling, alternative, movable = self._first_token(now)
             return Reading(
@@ -328,6 +344,11 @@ class Watch:
     # -- inside -----------------------------------------------------------------------------
 
     def _due(self, now: float) -> Act | None:
+        if self.first_at is not None:
+            # Producing: nothing is due before the deadline unless the test decided.
+            decided = self._decision is not None
+            if (not decided and now < self.deadline) or (decided and ActReason.RATE in self._acted):
+                return None
         reading = self.reading(now)
         if reading.reason in self._acted or reading.ceiling is None:
             return None
@@ -352,25 +373,20 @@ class Watch:
         self.acts.append(act)
         return act
 
-    def _admissible(self) -> list[tuple[Alternative, bool]]:
-        others = [a for a in self.frontier if a.key != self.serving]
-        if self.first_at is None or not self.streams_to_client:
-            return [(a, True) for a in others]
-        continuing = [a for a in others if a.continues_partial]
-        if continuing:
-            return [(a, True) for a in continuing]
-        return [(a, False) for a in others]
-
     def _best(self, tokens: float) -> tuple[Alternative, bool] | None:
-        admissible = self._admissible()
-        if not admissible:
+        """The admissible alternative finishing `tokens` soonest, and whether it can take
+        over: before content, any (a race); after content reached the client, one that
+        continues partial messages, else the best of all (which cannot: keep)."""
+        pool, movable = self._others, True
+        if self.first_at is not None and self.streams_to_client:
+            pool, movable = (self._continuing, True) if self._continuing else (pool, False)
+        if not pool:
             return None
-        return min(admissible, key=lambda pair: (pair[0].expected_seconds(tokens), pair[0].key))
+        best = min(pool, key=lambda a: (a.expected_seconds(tokens), a.key))
+        return best, movable
 
     def _serving_gap(self) -> float | None:
-        if self.belief is not None and self.belief.gap is not None:
-            return self.belief.gap.mean()
-        return None
+        return self._believed_gap
 
     def _first_token(self, now: float) -> tuple[float, Alternative | None, bool]:
         """The waiting arm's ceiling, and the alternative if moving now beats waiting."""
@@ -427,7 +443,7 @@ class Watch:
         if best is None:
             return
         alternative, movable = best
-        var = self._log_var()
+        var = self._log_var
         even = rest / alternative.expected_seconds(rest)
         believed = self._serving_gap()
         keep_rate = even / settings.tolerance
@@ -453,14 +469,6 @@ class Watch:
                 f"behind at {behind_rate:.1f}; {alternative.key.describe()} would finish "
                 f"{rest:.0f} tokens in {alternative.expected_seconds(rest):.1f} s",
             )
-
-    def _log_var(self) -> float:
-        settings = self.settings
-        if self.belief is not None and self.belief.gap is not None:
-            var = self.belief.gap.log_var
-        else:
-            var = settings.default_log_sd**2
-        return max(var, settings.min_log_sd**2)
 
     def _detail(self, reading: Reading, now: float) -> str:
         waited = now - self.sent_at
