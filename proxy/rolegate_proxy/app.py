@@ -56,6 +56,8 @@ class ProxyState:
             rng=rng,
             metrics=self.metrics,
         )
+        # The published figures are the ledger's prior (the sheet), reloaded with config.
+        self.dispatcher.ledger.load_sheet(self.config)
 
     def _breaker_settings(self, provider: str) -> BreakerSettings:
         found = self.config.provider(provider)
@@ -72,6 +74,7 @@ class ProxyState:
         # Keys for new providers are read before the swap, off the event loop.
         await asyncio.to_thread(self.keys.refresh, config)
         previous = self.config
+        self.dispatcher.ledger.load_sheet(config)
         self.config = config
         self.metrics.config_hash.labels(config.hash).set(1)
         if previous.hash:

@@ -25,14 +25,16 @@ from aiohttp import web
 
 from rolegate_policy.config import ProxyConfig
 
+from .beliefs import GapStats, Ledger, MachineKey, Sighting
 from .breaker import Breakers, Outcome, TransportFault
 from .chat_request import ChatRequest
+from .chooser import Chooser
 from .decisions import Decision
 from .errors import ProxyError
 from .exclusions import Transition, parse_retry_after
 from .metrics import ProxyMetrics
 from .relay import Answer, RelayContext, complete_once, open_stream, relay_stream
-from .routing import Attempt, Candidate, aggregator_routing, plan_candidates
+from .routing import Attempt, Candidate, plan_candidates
 from .upstream import RequestFault, UpstreamFailure
 from .verdicts import Verdict, VerdictKind, VerdictLog, VerdictRow, judge
 
@@ -57,6 +59,13 @@ class Dispatcher:
     verdicts: VerdictLog
     rng: random.Random
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
+    # What each machine is believed to do, and who may be sent to (SPEC B1-B4, B7).
+    ledger: Ledger = field(default_factory=Ledger)
+    chooser: Chooser = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.chooser = Chooser(self.ledger)
+
     listeners: list[Callable[[Transition], None]] = field(default_factory=list)
 
     def now(self) -> float:
@@ -130,28 +139,15 @@ class Dispatcher:
     ) -> Attempt | None:
         provider, model = candidate.provider.name, candidate.model.name
         now = self.now()
-        if not candidate.is_aggregator:
-            admission = self.breakers.admit(provider, model, None, now)
-            if not admission.allowed:
-                assert admission.exclusion is not None
-                decision.skip(provider, model, None, admission.exclusion.describe())
-                return None
-            return Attempt(candidate.provider, candidate.model)
-        admitted: list[str] = []
-        refused: list[str] = []
-        for machine in candidate.machine_names():
-            if machine in failed_machines:
-                refused.append(machine)
-                continue
-            exclusion = self.breakers.exclusion(provider, model, machine, now)
-            if exclusion is None:
-                admitted.append(machine)
-            else:
-                refused.append(machine)
-                decision.skip(provider, model, machine, exclusion.describe())
-        if not admitted:
+        choice = self.chooser.choose(
+            chat.role, candidate, self.breakers.exclusion, now, avoid=failed_machines
+        )
+        for fate in (f for f in choice.fates if not f.admitted):
+            machine = fate.machine if candidate.is_aggregator else None
+            decision.skip(provider, model, machine, f"{fate.reason}: {fate.detail}")
+        if not choice.sendable:
             # Never an empty `only`, never an order of nobody: the candidate is skipped.
-            decision.skip(provider, model, None, "no machine of this model may be sent to")
+            decision.skip(provider, model, None, choice.skip_reason or "no machine admitted")
             return None
         # Takes half-open probe slots for the keys covering this candidate.
         admission = self.breakers.admit(provider, model, None, now)
@@ -159,11 +155,7 @@ class Dispatcher:
             assert admission.exclusion is not None
             decision.skip(provider, model, None, admission.exclusion.describe())
             return None
-        return Attempt(
-            candidate.provider,
-            candidate.model,
-            aggregator_routing(chat.role, admitted, refused),
-        )
+        return Attempt(candidate.provider, candidate.model, choice.routing)
 
     async def _send(
         self,
@@ -191,8 +183,25 @@ class Dispatcher:
             self._record_answer(attempt, completed.answer, verdict, started)
             self._served(decision, attempt, completed.answer, "answered")
             return completed.response
-        opened = await open_stream(chat, attempt, ctx, budget)
-        end = await relay_stream(request, opened, ctx)
+        try:
+            opened = await open_stream(chat, attempt, ctx, budget)
+        except UpstreamFailure as failure:
+            # An arm that failed before its first token: how long it was waited on is
+            # evidence only when it was a timeout (an error says nothing about when a
+            # token would have come).
+            if failure.transport is TransportFault.TIMEOUT and failure.machine is not None:
+                self._teach(attempt, failure.machine, waited=self.now() - started)
+            raise
+        ttft = opened.first_at - started
+        try:
+            end = await relay_stream(request, opened, ctx)
+        except BaseException:
+            # The client left mid-stream: the arm still teaches what it showed.
+            self._teach(attempt, opened.served.machine, ttft=ttft, cut=True)
+            raise
+        self._teach(
+            attempt, end.answer.served.machine, ttft=ttft, gaps=end.gaps, cut=end.fault is not None
+        )
         machine = _machine(attempt, end.answer)
         if end.fault is not None:
             # Content had reached the client, which got an error event: the stream counts
@@ -209,6 +218,33 @@ class Dispatcher:
         self._record_answer(attempt, end.answer, verdict, started)
         self._served(decision, attempt, end.answer, "answered")
         return end.response
+
+    def _teach(
+        self,
+        attempt: Attempt,
+        machine: str | None,
+        *,
+        ttft: float | None = None,
+        waited: float | None = None,
+        gaps: GapStats | None = None,
+        cut: bool = False,
+    ) -> None:
+        """File one arm's sighting in the ledger (SPEC B7): winner, cut or abandoned."""
+        name = machine or attempt.single_machine
+        if name is None:
+            return
+        self.ledger.note(
+            Sighting(
+                attempt.provider.name,
+                attempt.model.name,
+                name,
+                at=self.now(),
+                ttft=ttft,
+                waited=waited if ttft is None else None,
+                gaps=gaps or GapStats(),
+                cut=cut,
+            )
+        )
 
     def _judge(self, chat: ChatRequest, answer: Answer, attempt: Attempt) -> Verdict:
         provider = attempt.provider
@@ -307,6 +343,12 @@ class Dispatcher:
 
     def _served(self, decision: Decision, attempt: Attempt, answer: Answer, result: str) -> None:
         decision.sent(attempt.provider.name, attempt.model.name, answer.served.machine, result)
+        machine = answer.served.machine or attempt.single_machine
+        if machine is not None and result == "answered":
+            # Affinity (SPEC B3): the machine that answered leads the role's next order.
+            self.chooser.answered(
+                decision.role, MachineKey(attempt.provider.name, attempt.model.name, machine)
+            )
         decision.served_provider = attempt.provider.name
         decision.served_model = answer.served.model
         decision.served_machine = answer.served.machine

@@ -11,6 +11,7 @@ the client receives an error event instead (SPEC E4).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from .beliefs import GapStats
 from .breaker import TransportFault
 from .chat_request import ChatRequest
 from .credentials import KeyStore
@@ -152,6 +154,8 @@ class OpenStream:
     held: list[Event | Chunk]
     reads: AsyncIterator[list[Event | Chunk]]
     served: Served
+    # When the first content arrived (time.monotonic()), for the ledger (SPEC B7).
+    first_at: float = 0.0
 
     def close(self) -> None:
         # Fully read: the connection goes back to the pool. Otherwise (the client left,
@@ -211,7 +215,7 @@ async def open_stream(
     except BaseException:
         upstream.close()
         raise
-    return OpenStream(attempt, upstream, held.items, reads, held.served)
+    return OpenStream(attempt, upstream, held.items, reads, held.served, time.monotonic())
 
 
 @dataclass(slots=True)
@@ -221,6 +225,8 @@ class StreamEnd:
     # Set when the stream did not end with [DONE]: how it failed, for the breaker.
     fault: TransportFault | None = None
     detail: str = ""
+    # The per-token gaps after the first content, for the ledger.
+    gaps: GapStats = field(default_factory=GapStats)
 
 
 async def relay_stream(request: web.Request, opened: OpenStream, ctx: RelayContext) -> StreamEnd:
@@ -234,9 +240,10 @@ async def relay_stream(request: web.Request, opened: OpenStream, ctx: RelayConte
             "X-Accel-Buffering": "no",
         }
     )
+    state = _Forwarding(opened.first_at)
     try:
         await response.prepare(request)
-        state = await _forward(response, opened.held, opened.reads)
+        await _forward(response, opened.held, opened.reads, state)
     finally:
         opened.close()
     answer = Answer(
@@ -245,7 +252,7 @@ async def relay_stream(request: web.Request, opened: OpenStream, ctx: RelayConte
         finish_reason=state.finish_reason,
         has_tool_calls=state.tool_calls,
     )
-    return StreamEnd(response, answer, state.fault, state.problem or "")
+    return StreamEnd(response, answer, state.fault, state.problem or "", state.gaps)
 
 
 async def _reads(
@@ -360,9 +367,20 @@ class _Forwarding:
     """What has been relayed so far: the answer's text (for its verdict, then dropped),
     whether it finished, and how it ended."""
 
-    __slots__ = ("done", "fault", "finish_reason", "problem", "text", "tool_calls")
+    __slots__ = (
+        "done",
+        "fault",
+        "finish_reason",
+        "gaps",
+        "last_at",
+        "problem",
+        "text",
+        "tool_calls",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, first_at: float) -> None:
+        self.gaps = GapStats()
+        self.last_at = first_at
         self.done = False
         self.finish_reason: str | None = None
         self.problem: str | None = None
@@ -374,6 +392,7 @@ class _Forwarding:
         """The bytes to send for one read's events: one write per read, not per event,
         so a burst of tokens costs one system call while each still leaves at once."""
         out = bytearray()
+        tokens_before = len(self.text)
         for item in items:
             if isinstance(item, Event):
                 out += item.raw
@@ -389,6 +408,12 @@ class _Forwarding:
                 break
             self._note(item.payload)
             out += item.raw
+        tokens = len(self.text) - tokens_before
+        if tokens:
+            # One read's content deltas, arrived this long after the previous content.
+            now = time.monotonic()
+            self.gaps = self.gaps.add(tokens, now - self.last_at)
+            self.last_at = now
         return bytes(out)
 
     def _note(self, payload: dict[str, Any]) -> None:
@@ -414,9 +439,11 @@ async def _forward(
     response: web.StreamResponse,
     held: list[Event | Chunk],
     reads: AsyncIterator[list[Event | Chunk]],
+    state: _Forwarding,
 ) -> _Forwarding:
-    state = _Forwarding()
+    # The held events end with the first content: its gap is the TTFT, not a token gap.
     await response.write(state.take(held))
+    state.gaps = GapStats()
     try:
         async for items in reads:
             if state.over:

@@ -1,0 +1,119 @@
+"""Patience through the proxy (SPEC B1-B3, B7): the chooser refuses machines that cannot
+answer in time, learns machines the aggregator used unasked, pins the machine that
+answered, and every streamed arm teaches the ledger."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from ..support import ProxyFactory, SimFactory, role, role_table, sim_records
+
+MODEL = "vendor/model-a"
+LATE = {"kind": "lateFirstToken", "always": True, "seconds": 1.0}
+ASK = {"model": "agent", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+def _policy(url: str, machines: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "rolegate.dev/v1alpha1",
+        "kind": "ProviderPolicy",
+        "metadata": {"name": "agg", "namespace": "test"},
+        "spec": {
+            "endpoint": f"{url}/v1",
+            "dialect": "Aggregator",
+            "models": [{"name": MODEL, "machines": machines}],
+        },
+    }
+
+
+async def _stream(url: str) -> httpx.Headers:
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream("POST", f"{url}/v1/chat/completions", json=ASK) as response,
+    ):
+        await response.aread()
+        assert response.status_code == 200
+        return response.headers
+
+
+async def test_a_machine_that_cannot_answer_within_patience_is_refused_into_ignore(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    sim = await sim_server(
+        {"seed": 1, "models": [{"name": MODEL, "machines": [{"name": "fast"}, {"name": "slow"}]}]}
+    )
+    proxy = await proxy_server(
+        [
+            _policy(
+                sim.url,
+                [
+                    {"name": "fast", "ttftSeconds": 0.2, "tokensPerSecond": 200},
+                    # 2 s + 512 tokens at 20/s = 27.6 s: beyond a 10 s patience.
+                    {"name": "slow", "ttftSeconds": 2, "tokensPerSecond": 20},
+                ],
+            ),
+            role_table(role("agent", [MODEL], patience=10)),
+        ]
+    )
+    await _stream(proxy.url)
+    (record,) = await sim_records(sim.url)
+    assert record["provider"]["order"] == ["fast"]
+    assert record["provider"]["ignore"] == ["slow"]
+    decision = proxy.state.decisions.recent()[-1]
+    assert any("patience" in note.reason and note.machine == "slow" for note in decision.notes)
+
+
+async def test_a_machine_the_aggregator_used_unasked_becomes_a_candidate(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    sim = await sim_server(
+        {
+            "seed": 1,
+            "models": [
+                {"name": MODEL, "machines": [
+                    {"name": "named", "faults": [{"kind": "down", "always": True}]},
+                    {"name": "hidden"}]},
+            ],
+        }
+    )  # fmt: skip
+    proxy = await proxy_server(
+        [_policy(sim.url, [{"name": "named"}]), role_table(role("agent", [MODEL]))]
+    )
+    first = await _stream(proxy.url)
+    assert first["x-rolegate-machine"] == "hidden"
+    ledger = proxy.state.dispatcher.ledger
+    assert ledger.belief("agg", MODEL, "hidden", proxy.state.dispatcher.now()) is not None
+    await _stream(proxy.url)
+    records = await sim_records(sim.url)
+    assert "hidden" not in records[0]["provider"]["order"]
+    assert records[1]["provider"]["order"][0] == "hidden"  # known now, and it answered last
+
+
+async def test_a_late_first_token_teaches_the_ledger(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    sim = await sim_server(
+        {
+            "seed": 1,
+            "models": [
+                {"name": MODEL, "machines": [{"name": "m1", "faults": [LATE]}]},
+            ],
+        }
+    )  # fmt: skip
+    proxy = await proxy_server(
+        [
+            _policy(sim.url, [{"name": "m1", "ttftSeconds": 0.1, "tokensPerSecond": 100}]),
+            role_table(role("agent", [MODEL])),
+        ]
+    )
+    dispatcher = proxy.state.dispatcher
+    before = dispatcher.ledger.belief("agg", MODEL, "m1", dispatcher.now())
+    assert before is not None
+    assert before.expected_ttft is not None
+    await _stream(proxy.url)
+    after = dispatcher.ledger.belief("agg", MODEL, "m1", dispatcher.now())
+    assert after is not None
+    assert after.expected_ttft is not None
+    assert after.expected_ttft > before.expected_ttft * 2
