@@ -19,7 +19,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
@@ -33,7 +33,17 @@ from .decisions import Decision
 from .errors import ProxyError
 from .exclusions import Transition, parse_retry_after
 from .metrics import ProxyMetrics
-from .relay import Answer, RelayContext, complete_once, open_stream, relay_stream
+from .rate_test import Watch
+from .relay import (
+    Answer,
+    RelayContext,
+    StreamEnd,
+    complete_once,
+    continue_stream,
+    open_stream,
+    relay_stream,
+    resume_stream,
+)
 from .routing import Attempt, Candidate, plan_candidates
 from .upstream import RequestFault, UpstreamFailure
 from .verdicts import Verdict, VerdictKind, VerdictLog, VerdictRow, judge
@@ -109,7 +119,9 @@ class Dispatcher:
                     remaining if last else min(remaining, chat.role.patience_seconds * IDLE_SHARE)
                 )
                 try:
-                    return await self._send(request, chat, attempt, ctx, decision, started, budget)
+                    return await self._send(
+                        request, chat, attempt, ctx, decision, started, budget, config
+                    )
                 except UpstreamFailure as failure:
                     failures.append(failure)
                     self._record_failure(failure, started)
@@ -166,6 +178,7 @@ class Dispatcher:
         decision: Decision,
         started: float,
         budget: float,
+        config: ProxyConfig,
     ) -> web.StreamResponse:
         provider, model = attempt.provider.name, attempt.model.name
         if not chat.stream:
@@ -193,15 +206,23 @@ class Dispatcher:
                 self._teach(attempt, failure.machine, waited=self.now() - started)
             raise
         ttft = opened.first_at - started
+        watch = self._watch(chat, attempt, opened.served.machine, started, decision, config)
         try:
-            end = await relay_stream(request, opened, ctx)
+            end = await relay_stream(request, opened, ctx, watch)
         except BaseException:
             # The client left mid-stream: the arm still teaches what it showed.
             self._teach(attempt, opened.served.machine, ttft=ttft, cut=True)
             raise
         self._teach(
-            attempt, end.answer.served.machine, ttft=ttft, gaps=end.gaps, cut=end.fault is not None
+            attempt,
+            end.answer.served.machine,
+            ttft=ttft,
+            gaps=end.gaps,
+            cut=end.fault is not None or end.moved is not None,
         )
+        if end.moved is not None:
+            end = await self._move(chat, attempt, end, ctx, decision, config)
+            attempt = end.attempt or attempt
         machine = _machine(attempt, end.answer)
         if end.fault is not None:
             # Content had reached the client, which got an error event: the stream counts
@@ -218,6 +239,89 @@ class Dispatcher:
         self._record_answer(attempt, end.answer, verdict, started)
         self._served(decision, attempt, end.answer, "answered")
         return end.response
+
+    def _watch(
+        self,
+        chat: ChatRequest,
+        attempt: Attempt,
+        served: str | None,
+        started: float,
+        decision: Decision,
+        config: ProxyConfig,
+    ) -> Watch:
+        """The mid-stream rate test for this arm (SPEC B5), against the request's frontier."""
+        now = self.now()
+        plan = self.chooser.plan(
+            chat.role, plan_candidates(chat.role, config), self.breakers.exclusion, now
+        )
+        machine = served or attempt.single_machine
+        key = MachineKey(attempt.provider.name, attempt.model.name, machine) if machine else None
+        return Watch(
+            chat.role,
+            sent_at=started,
+            started_at=decision.started_at,
+            serving=key,
+            belief=self.ledger.belief_of(key, now) if key else None,
+            frontier=plan.frontier(),
+            streams_to_client=True,
+        )
+
+    async def _move(
+        self,
+        chat: ChatRequest,
+        attempt: Attempt,
+        end: StreamEnd,
+        ctx: RelayContext,
+        decision: Decision,
+        config: ProxyConfig,
+    ) -> StreamEnd:
+        """A rate act after content reached the client (SPEC B6): the alternative continues
+        the delivered text and its continuation is spliced into the same stream. If it
+        cannot start, the slow stream is kept (never cut for slowness alone)."""
+        act = end.moved
+        assert act is not None
+        assert act.alternative is not None
+        target = act.alternative.key
+        slow = end.answer.served.machine
+        provider = config.provider(target.provider)
+        model = provider.model(target.model) if provider is not None else None
+        delivered = end.answer.text
+        if provider is None or model is None:
+            end = await resume_stream(end)
+            end.attempt = attempt
+            return end
+        routing = (
+            {"only": [target.machine], "allow_fallbacks": False}
+            if provider.dialect.value == "Aggregator"
+            else None
+        )
+        onward = Attempt(provider, model, routing)
+        messages = [*chat.body.get("messages", []), {"role": "assistant", "content": delivered}]
+        continuation = replace(chat, body={**chat.body, "messages": messages})
+        decision.sent(
+            attempt.provider.name,
+            attempt.model.name,
+            slow,
+            f"moved ({act.reason.value}): {act.detail}",
+        )
+        started = self.now()
+        try:
+            opened = await open_stream(continuation, onward, ctx, chat.role.patience_seconds)
+        except UpstreamFailure as failure:
+            self._record_failure(failure, started)
+            decision.sent(
+                target.provider,
+                target.model,
+                target.machine,
+                f"continuation failed: {failure.detail}",
+            )
+            end = await resume_stream(end)
+            end.attempt = attempt
+            return end
+        end = await continue_stream(end, opened)
+        self._teach(onward, opened.served.machine, ttft=opened.first_at - started, gaps=end.gaps)
+        end.attempt = onward
+        return end
 
     def _teach(
         self,

@@ -25,6 +25,7 @@ from .breaker import TransportFault
 from .chat_request import ChatRequest
 from .credentials import KeyStore
 from .metrics import ProxyMetrics
+from .rate_test import Act, Watch
 from .routing import Attempt
 from .sse import Event, EventFramer, MalformedEvent, decode_event_json, encode_event
 from .upstream import (
@@ -227,10 +228,21 @@ class StreamEnd:
     detail: str = ""
     # The per-token gaps after the first content, for the ledger.
     gaps: GapStats = field(default_factory=GapStats)
+    # Set when the rate test decided to move the stream (SPEC B5, B6): the client's stream
+    # is still open, and the slow upstream too, until the dispatcher continues elsewhere
+    # (`continue_stream`) or keeps the slow one (`resume_stream`).
+    moved: Act | None = None
+    opened: OpenStream | None = None
+    state: _Forwarding | None = None
+    # The attempt that finished the answer (the continuation's, after a move).
+    attempt: Attempt | None = None
 
 
-async def relay_stream(request: web.Request, opened: OpenStream, ctx: RelayContext) -> StreamEnd:
-    """Commit to the client and forward the rest; never a truncated answer as complete."""
+async def relay_stream(
+    request: web.Request, opened: OpenStream, ctx: RelayContext, watch: Watch | None = None
+) -> StreamEnd:
+    """Commit to the client and forward the rest; never a truncated answer as complete.
+    With a `watch`, a rate act on a movable alternative pauses the relay (`moved`)."""
     response = web.StreamResponse(
         headers={
             **ctx.base_headers,
@@ -240,19 +252,58 @@ async def relay_stream(request: web.Request, opened: OpenStream, ctx: RelayConte
             "X-Accel-Buffering": "no",
         }
     )
-    state = _Forwarding(opened.first_at)
+    state = _Forwarding(opened.first_at, watch)
     try:
         await response.prepare(request)
         await _forward(response, opened.held, opened.reads, state)
-    finally:
+    except BaseException:
         opened.close()
+        raise
+    if state.moved is None:
+        opened.close()
+    return _end(response, opened, state)
+
+
+def _end(response: web.StreamResponse, opened: OpenStream, state: _Forwarding) -> StreamEnd:
     answer = Answer(
         served=opened.served,
         text="".join(state.text),
         finish_reason=state.finish_reason,
         has_tool_calls=state.tool_calls,
     )
-    return StreamEnd(response, answer, state.fault, state.problem or "", state.gaps)
+    end = StreamEnd(response, answer, state.fault, state.problem or "", state.gaps)
+    if state.moved is not None:
+        end.moved, end.opened, end.state = state.moved, opened, state
+    return end
+
+
+async def resume_stream(end: StreamEnd) -> StreamEnd:
+    """Keep the slow stream after all (nothing could continue it): forward the rest."""
+    assert end.opened is not None
+    assert end.state is not None
+    state = end.state
+    state.moved, state.watch = None, None
+    try:
+        await _forward(end.response, [], end.opened.reads, state)
+    finally:
+        end.opened.close()
+    return _end(end.response, end.opened, state)
+
+
+async def continue_stream(end: StreamEnd, continuation: OpenStream) -> StreamEnd:
+    """Splice a continuation of the delivered text into the same client stream (SPEC B6):
+    the slow upstream is closed, the new one's events follow the delivered ones."""
+    assert end.opened is not None
+    assert end.state is not None
+    end.opened.close()
+    state = end.state
+    state.moved, state.watch = None, None
+    state.gaps, state.last_at = GapStats(), continuation.first_at
+    try:
+        await _forward(end.response, continuation.held, continuation.reads, state, first=True)
+    finally:
+        continuation.close()
+    return _end(end.response, continuation, state)
 
 
 async def _reads(
@@ -373,14 +424,18 @@ class _Forwarding:
         "finish_reason",
         "gaps",
         "last_at",
+        "moved",
         "problem",
         "text",
         "tool_calls",
+        "watch",
     )
 
-    def __init__(self, first_at: float) -> None:
+    def __init__(self, first_at: float, watch: Watch | None = None) -> None:
         self.gaps = GapStats()
         self.last_at = first_at
+        self.watch = watch
+        self.moved: Act | None = None
         self.done = False
         self.finish_reason: str | None = None
         self.problem: str | None = None
@@ -414,6 +469,10 @@ class _Forwarding:
             now = time.monotonic()
             self.gaps = self.gaps.add(tokens, now - self.last_at)
             self.last_at = now
+            if self.watch is not None and not self.done:
+                act = self.watch.observe(now, tokens=tokens)
+                if act is not None and act.movable and act.alternative is not None:
+                    self.moved = act
         return bytes(out)
 
     def _note(self, payload: dict[str, Any]) -> None:
@@ -432,7 +491,7 @@ class _Forwarding:
 
     @property
     def over(self) -> bool:
-        return self.done or self.problem is not None
+        return self.done or self.problem is not None or self.moved is not None
 
 
 async def _forward(
@@ -440,10 +499,16 @@ async def _forward(
     held: list[Event | Chunk],
     reads: AsyncIterator[list[Event | Chunk]],
     state: _Forwarding,
+    *,
+    first: bool = True,
 ) -> _Forwarding:
-    # The held events end with the first content: its gap is the TTFT, not a token gap.
-    await response.write(state.take(held))
-    state.gaps = GapStats()
+    if held:
+        # The held events end with the first content: its gap is the TTFT, not a token gap.
+        watch, state.watch = state.watch, None
+        await response.write(state.take(held))
+        state.watch = watch
+        if first:
+            state.gaps = GapStats()
     try:
         async for items in reads:
             if state.over:
@@ -458,7 +523,7 @@ async def _forward(
             if isinstance(exc, TimeoutError)
             else TransportFault.BROKEN_STREAM
         )
-    if state.done:
+    if state.done or state.moved is not None:
         return state
     if state.problem is None:
         state.fault = TransportFault.BROKEN_STREAM

@@ -4,6 +4,8 @@ answered, and every streamed arm teaches the ledger."""
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
 import httpx
@@ -117,3 +119,67 @@ async def test_a_late_first_token_teaches_the_ledger(
     assert after is not None
     assert after.expected_ttft is not None
     assert after.expected_ttft > before.expected_ttft * 2
+
+
+async def test_a_stream_far_slower_than_the_best_alternative_moves_mid_stream(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    """The seed's measured case: a machine believed at ~60 tok/s writes at 7 while two on
+    the same model are believed at 100. A rate act moves the stream while it is producing;
+    a machine that continues partial messages finishes it in the same client stream."""
+    reply = " ".join(f"w{i}" for i in range(120))
+    down_first = [{"kind": "down", "schedule": [1]}]  # so the slow machine serves first
+    fast = {"ttftSeconds": 0.05, "tokensPerSecond": 100, "continuesPartialMessage": True}
+    sim = await sim_server(
+        {
+            "seed": 1,
+            "models": [
+                {"name": MODEL, "reply": reply, "machines": [
+                    {"name": "fast1", **fast, "faults": down_first},
+                    {"name": "fast2", **fast, "faults": down_first},
+                    {"name": "slow", "ttftSeconds": 0.05, "tokensPerSecond": 7}]},
+            ],
+        }
+    )  # fmt: skip
+    proxy = await proxy_server(
+        [
+            _policy(
+                sim.url,
+                [
+                    {"name": "fast1", "ttftSeconds": 0.1, "tokensPerSecond": 100,
+                     "continuesPartialMessage": True},
+                    {"name": "fast2", "ttftSeconds": 0.1, "tokensPerSecond": 100,
+                     "continuesPartialMessage": True},
+                    {"name": "slow", "ttftSeconds": 0.1, "tokensPerSecond": 60},
+                ],
+            ),
+            role_table(role("agent", [MODEL], patience=120)),
+        ]
+    )  # fmt: skip
+    started = time.monotonic()
+    async with (
+        httpx.AsyncClient(timeout=60) as client,
+        client.stream("POST", f"{proxy.url}/v1/chat/completions", json=ASK) as response,
+    ):
+        assert response.headers["x-rolegate-machine"] == "slow"
+        raw = await response.aread()
+    took = time.monotonic() - started
+    text = "".join(
+        choice["delta"].get("content") or ""
+        for block in raw.split(b"\n\n")
+        if block.startswith(b"data: {")
+        for choice in json.loads(block[6:])["choices"]
+    )
+    assert text == reply  # one seamless answer, nothing lost or repeated
+    assert raw.endswith(b"data: [DONE]\n\n")
+    assert took < 120 / 7 / 2  # far sooner than the slow machine alone (17 s)
+    records = await sim_records(sim.url)
+    onward = records[-1]
+    assert onward["machine"] in ("fast1", "fast2")
+    assert onward["continued_partial"] is True
+    assert onward["provider"]["only"] == [onward["machine"]]
+    decision = proxy.state.decisions.recent()[-1]
+    sent = [note.machine for note in decision.notes if note.action.value == "sent"]
+    assert sent[0] == "slow"
+    assert sent[-1] == onward["machine"]  # the log names a second, distinct machine
+    assert any("moved (rate)" in note.reason for note in decision.notes)
