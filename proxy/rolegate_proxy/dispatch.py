@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import Dialect, ProxyConfig
 
 from .beliefs import GapStats, Ledger, MachineKey, Sighting
 from .breaker import Breakers, Outcome, TransportFault
@@ -36,7 +36,9 @@ from .metrics import ProxyMetrics
 from .rate_test import Watch
 from .relay import (
     Answer,
+    OpenStream,
     RelayContext,
+    Served,
     StreamEnd,
     complete_once,
     continue_stream,
@@ -196,17 +198,18 @@ class Dispatcher:
             self._record_answer(attempt, completed.answer, verdict, started)
             self._served(decision, attempt, completed.answer, "answered")
             return completed.response
-        try:
-            opened = await open_stream(chat, attempt, ctx, budget)
-        except UpstreamFailure as failure:
-            # An arm that failed before its first token: how long it was waited on is
-            # evidence only when it was a timeout (an error says nothing about when a
-            # token would have come).
-            if failure.transport is TransportFault.TIMEOUT and failure.machine is not None:
-                self._teach(attempt, failure.machine, waited=self.now() - started)
-            raise
+        presumed = _presumed_machine(attempt)
+        watch = self._watch(chat, attempt, presumed, started, decision, config)
+        opened, attempt, started = await self._first_content(
+            chat, attempt, ctx, budget, watch, decision, config, started
+        )
+        provider, model = attempt.provider.name, attempt.model.name
         ttft = opened.first_at - started
-        watch = self._watch(chat, attempt, opened.served.machine, started, decision, config)
+        served = opened.served.machine or attempt.single_machine
+        if served is not None and served != presumed:
+            key = MachineKey(provider, model, served)
+            watch.identify(key, self.ledger.belief_of(key, self.now()))
+        watch.observe(opened.first_at, tokens=1)
         try:
             end = await relay_stream(request, opened, ctx, watch)
         except BaseException:
@@ -239,6 +242,107 @@ class Dispatcher:
         self._record_answer(attempt, end.answer, verdict, started)
         self._served(decision, attempt, end.answer, "answered")
         return end.response
+
+    async def _first_content(
+        self,
+        chat: ChatRequest,
+        attempt: Attempt,
+        ctx: RelayContext,
+        budget: float,
+        watch: Watch,
+        decision: Decision,
+        config: ProxyConfig,
+        started: float,
+    ) -> tuple[OpenStream, Attempt, float]:
+        """Wait for the arm's first content. If the rate test calls its first token late
+        (a `ttft` act) and a better machine is admissible, race it (SPEC B6): the arm that
+        produces content first is kept, the other cancelled; both teach the ledger."""
+
+        def identify(served: Served) -> None:
+            if served.machine and attempt.is_aggregator:
+                key = MachineKey(attempt.provider.name, attempt.model.name, served.machine)
+                if key != watch.serving:
+                    watch.identify(key, self.ledger.belief_of(key, self.now()))
+
+        first = asyncio.create_task(open_stream(chat, attempt, ctx, budget, identify))
+        tasks = [first]
+        try:
+            while True:
+                check_at = watch.next_check(self.now())
+                timeout = None if check_at is None else max(0.0, check_at - self.now())
+                done, _ = await asyncio.wait({first}, timeout=timeout)
+                if done:
+                    return self._opened_or_taught(first, attempt, started), attempt, started
+                act = watch.observe(self.now())
+                if act is not None and act.movable and act.alternative is not None:
+                    break  # a late first token, and a better machine to race
+            rival = self._onward(act.alternative.key, config)
+            if rival is None:
+                opened = self._opened_or_taught(await _settle(first), attempt, started)
+                return opened, attempt, started
+            decision.sent(
+                attempt.provider.name,
+                attempt.model.name,
+                _presumed_machine(attempt),
+                f"racing ({act.reason.value}): {act.detail}",
+            )
+            rival_started = self.now()
+            second = asyncio.create_task(open_stream(chat, rival, ctx, budget))
+            tasks.append(second)
+            arms = {first: (attempt, started), second: (rival, rival_started)}
+            pending = set(arms)
+            lost: list[tuple[UpstreamFailure, float]] = []
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    arm, arm_started = arms[task]
+                    try:
+                        opened = self._opened_or_taught(task, arm, arm_started)
+                    except UpstreamFailure as arm_failure:
+                        lost.append((arm_failure, arm_started))
+                        continue
+                    for other in pending:
+                        other.cancel()
+                        loser, loser_started = arms[other]
+                        # The loser of the race still teaches: it had not answered yet.
+                        # The first arm's machine is the one its answer named, if it did.
+                        named = watch.serving.machine if watch.serving is not None else None
+                        machine = named if other is first else _presumed_machine(loser)
+                        self._teach(loser, machine, waited=self.now() - loser_started)
+                    for lost_failure, failed_at in lost:
+                        self._record_failure(lost_failure, failed_at)
+                    return opened, arm, arm_started
+            # Both arms failed: the caller records the last; the other is recorded here.
+            for lost_failure, failed_at in lost[:-1]:
+                self._record_failure(lost_failure, failed_at)
+            raise lost[-1][0]
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+
+    def _opened_or_taught(
+        self, task: asyncio.Task[OpenStream], attempt: Attempt, started: float
+    ) -> OpenStream:
+        try:
+            return task.result()
+        except UpstreamFailure as failure:
+            # An arm that failed before its first token: how long it was waited on is
+            # evidence only when it was a timeout.
+            if failure.transport is TransportFault.TIMEOUT:
+                machine = failure.machine or _presumed_machine(attempt)
+                self._teach(attempt, machine, waited=self.now() - started)
+            raise
+
+    def _onward(self, target: MachineKey, config: ProxyConfig) -> Attempt | None:
+        """An attempt aimed at exactly one machine (a race's rival, a continuation)."""
+        provider = config.provider(target.provider)
+        model = provider.model(target.model) if provider is not None else None
+        if provider is None or model is None:
+            return None
+        if provider.dialect is Dialect.AGGREGATOR:
+            return Attempt(provider, model, {"only": [target.machine], "allow_fallbacks": False})
+        return Attempt(provider, model)
 
     def _watch(
         self,
@@ -283,19 +387,12 @@ class Dispatcher:
         assert act.alternative is not None
         target = act.alternative.key
         slow = end.answer.served.machine
-        provider = config.provider(target.provider)
-        model = provider.model(target.model) if provider is not None else None
         delivered = end.answer.text
-        if provider is None or model is None:
+        onward = self._onward(target, config)
+        if onward is None:
             end = await resume_stream(end)
             end.attempt = attempt
             return end
-        routing = (
-            {"only": [target.machine], "allow_fallbacks": False}
-            if provider.dialect.value == "Aggregator"
-            else None
-        )
-        onward = Attempt(provider, model, routing)
         messages = [*chat.body.get("messages", []), {"role": "assistant", "content": delivered}]
         continuation = replace(chat, body={**chat.body, "messages": messages})
         decision.sent(
@@ -532,3 +629,19 @@ class Dispatcher:
 def _machine(attempt: Attempt, answer: Answer) -> str | None:
     """The machine key for the breaker: an aggregator's sub-provider, None for a direct one."""
     return answer.served.machine if attempt.is_aggregator else None
+
+
+def _presumed_machine(attempt: Attempt) -> str | None:
+    """The machine expected to serve before the answer names one: a direct provider's, or
+    the head of an aggregator's order (or `only`)."""
+    if attempt.single_machine is not None:
+        return attempt.single_machine
+    routing = attempt.provider_routing or {}
+    names = routing.get("order") or routing.get("only") or []
+    return str(names[0]) if names else None
+
+
+async def _settle(task: asyncio.Task[OpenStream]) -> asyncio.Task[OpenStream]:
+    """Wait for the task to finish (its exception stays in it)."""
+    await asyncio.wait({task})
+    return task

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +168,11 @@ class OpenStream:
 
 
 async def open_stream(
-    chat: ChatRequest, attempt: Attempt, ctx: RelayContext, budget: float
+    chat: ChatRequest,
+    attempt: Attempt,
+    ctx: RelayContext,
+    budget: float,
+    on_served: Callable[[Served], None] | None = None,
 ) -> OpenStream:
     """Send one streamed attempt and wait for its first content (or its end): until then a
     failure is invisible to the client and raises UpstreamFailure."""
@@ -193,7 +197,7 @@ async def open_stream(
             # Noted, never failed: this header is why latin-1 fallbacks mangle text (A1).
             ctx.metrics.missing_charset.labels(attempt.provider.name).inc()
         reads = _reads(upstream, ctx, attempt)
-        held = await _hold_until_content(reads, attempt)
+        held = await _hold_until_content(reads, attempt, on_served)
         if held.empty:
             verdict = judge(
                 "",
@@ -351,7 +355,11 @@ class _Held:
     finish_reason: str | None
 
 
-async def _hold_until_content(reads: AsyncIterator[list[Event | Chunk]], attempt: Attempt) -> _Held:
+async def _hold_until_content(
+    reads: AsyncIterator[list[Event | Chunk]],
+    attempt: Attempt,
+    on_served: Callable[[Served], None] | None = None,
+) -> _Held:
     """Everything up to and including the first content (or the finish, or [DONE]), plus
     whatever else arrived in the same read; raises UpstreamFailure if the attempt fails
     before that."""
@@ -377,6 +385,10 @@ async def _hold_until_content(reads: AsyncIterator[list[Event | Chunk]], attempt
                     )
                 if served is None:
                     served = _served_from(item.payload, attempt)
+                    if on_served is not None:
+                        # The answer names its machine before its first token: the rate
+                        # test can judge the wait against the right belief.
+                        on_served(served)
                 if _has_content(item.payload):
                     held.extend(items[index:])
                     finish_reason = _first_finish_reason(item.payload)

@@ -183,3 +183,49 @@ async def test_a_stream_far_slower_than_the_best_alternative_moves_mid_stream(
     assert sent[0] == "slow"
     assert sent[-1] == onward["machine"]  # the log names a second, distinct machine
     assert any("moved (rate)" in note.reason for note in decision.notes)
+
+
+async def test_a_late_first_token_races_a_better_machine_and_both_arms_teach(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    """Before content reached the client, a move is a race: the better machine starts, the
+    arm that produces content first is kept, the other is cancelled, and the late arm's
+    wait moves its TTFT belief (the seed's second case)."""
+    late_first = [
+        {"kind": "lateFirstToken", "always": True, "seconds": 4},
+    ]
+    sim = await sim_server(
+        {
+            "seed": 1,
+            "models": [
+                {"name": MODEL, "machines": [
+                    {"name": "fast", "faults": [{"kind": "down", "schedule": [1]}]},
+                    {"name": "late", "faults": late_first}]},
+            ],
+        }
+    )  # fmt: skip
+    figures = {"ttftSeconds": 0.1, "tokensPerSecond": 100}
+    proxy = await proxy_server(
+        [
+            _policy(sim.url, [{"name": "fast", **figures}, {"name": "late", **figures}]),
+            role_table(role("agent", [MODEL], patience=60)),
+        ]
+    )
+    dispatcher = proxy.state.dispatcher
+    before = dispatcher.ledger.belief("agg", MODEL, "late", dispatcher.now())
+    assert before is not None
+    assert before.expected_ttft is not None
+    started = time.monotonic()
+    headers = await _stream(proxy.url)
+    took = time.monotonic() - started
+    assert headers["x-rolegate-machine"] == "fast"
+    assert took < 3.5  # the late machine alone would take 4 s to its first token
+    after = dispatcher.ledger.belief("agg", MODEL, "late", dispatcher.now())
+    assert after is not None
+    assert after.expected_ttft is not None
+    assert after.expected_ttft > before.expected_ttft  # the loser's wait taught the ledger
+    decision = proxy.state.decisions.recent()[-1]
+    assert any("racing (ttft)" in note.reason for note in decision.notes)
+    records = await sim_records(sim.url)
+    late = [r for r in records if r["machine"] == "late"]
+    assert late[0]["outcome"] == "client_disconnected"  # the losing arm was cancelled
