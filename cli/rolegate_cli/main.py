@@ -66,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="with --configmap: re-send this pod's breaker report at least this often",
     )
+    proxy.add_argument(
+        "--admin-token-file",
+        type=Path,
+        default=None,
+        help="a file holding the token /v1/rolegate/decisions and /state require",
+    )
     proxy.set_defaults(handler=_run_proxy)
 
     operator = commands.add_parser(
@@ -165,7 +171,15 @@ def _run_proxy(args: argparse.Namespace) -> int:
         except StandaloneConfigError as error:
             print(f"rolegate proxy: {error}", file=sys.stderr)
             return 2
+    admin_token = None
+    if args.admin_token_file is not None:
+        try:
+            admin_token = args.admin_token_file.read_text(encoding="utf-8").strip() or None
+        except OSError as error:
+            print(f"rolegate proxy: cannot read --admin-token-file: {error}", file=sys.stderr)
+            return 2
     settings = ProxySettings(
+        admin_token=admin_token,
         host=args.host,
         port=args.port,
         max_body_bytes=args.max_body_bytes,

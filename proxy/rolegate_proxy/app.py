@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from rolegate_policy.config import BreakerSettings, DegradedOutputSettings, ProxyConfig
 
+from . import explain
 from .breaker import Breakers
 from .chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
 from .configmap_source import ConfigMapSource
@@ -116,6 +117,8 @@ def create_app(
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/rolegate/decisions", explain.decisions)
+    app.router.add_get("/v1/rolegate/state", explain.state)
     return app
 
 

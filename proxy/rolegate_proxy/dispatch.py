@@ -142,6 +142,29 @@ class Dispatcher:
                     await self._backoff(len(failures), deadline)
             if index + 1 < len(candidates) and failures:
                 await self._backoff(len(failures), deadline)
+        if not failures:
+            # Nothing was sendable. B4: an empty admitted set falls back to an `order` of
+            # the machines refused only for patience (a slow answer beats none); machines
+            # under a hard exclusion are never sent to.
+            plan = self.chooser.plan(chat.role, candidates, self.breakers.exclusion, self.now())
+            resort = plan.last_resort()
+            match = [
+                c
+                for c in candidates
+                if resort is not None
+                and (c.provider.name, c.model.name) == (resort.provider, resort.model)
+            ]
+            if resort is not None and match and deadline > self.now():
+                attempt = Attempt(match[0].provider, match[0].model, resort.routing)
+                started = self.now()
+                try:
+                    return await self._send(
+                        request, chat, attempt, ctx, decision, started, deadline - started, config
+                    )
+                except UpstreamFailure as failure:
+                    failures.append(failure)
+                    self._record_failure(failure, started)
+                    decision.sent(resort.provider, resort.model, failure.machine, failure.detail)
         raise self._exhausted(chat, candidates, failures, decision)
 
     def _admit(
@@ -286,6 +309,7 @@ class Dispatcher:
                 _presumed_machine(attempt),
                 f"racing ({act.reason.value}): {act.detail}",
             )
+            self.metrics.acts.labels(chat.role.name, act.reason.value, "raced").inc()
             rival_started = self.now()
             second = asyncio.create_task(open_stream(chat, rival, ctx, budget))
             tasks.append(second)
@@ -316,9 +340,15 @@ class Dispatcher:
             for lost_failure, failed_at in lost[:-1]:
                 self._record_failure(lost_failure, failed_at)
             raise lost[-1][0]
-        except BaseException:
+        except BaseException as error:
             for task in tasks:
                 task.cancel()
+            if isinstance(error, asyncio.CancelledError):
+                # The client left before the first token: the wait still teaches (B7).
+                named = watch.serving.machine if watch.serving is not None else None
+                self._teach(
+                    attempt, named or _presumed_machine(attempt), waited=self.now() - started
+                )
             raise
 
     def _opened_or_taught(
@@ -390,6 +420,7 @@ class Dispatcher:
         delivered = end.answer.text
         onward = self._onward(target, config)
         if onward is None:
+            self.metrics.acts.labels(chat.role.name, act.reason.value, "kept").inc()
             end = await resume_stream(end)
             end.attempt = attempt
             return end
@@ -399,7 +430,7 @@ class Dispatcher:
             attempt.provider.name,
             attempt.model.name,
             slow,
-            f"moved ({act.reason.value}): {act.detail}",
+            f"moved ({act.reason.value}) after {act.tokens} tokens: {act.detail}",
         )
         started = self.now()
         try:
@@ -412,9 +443,11 @@ class Dispatcher:
                 target.machine,
                 f"continuation failed: {failure.detail}",
             )
+            self.metrics.acts.labels(chat.role.name, act.reason.value, "kept").inc()
             end = await resume_stream(end)
             end.attempt = attempt
             return end
+        self.metrics.acts.labels(chat.role.name, act.reason.value, "continued").inc()
         end = await continue_stream(end, opened)
         self._teach(onward, opened.served.machine, ttft=opened.first_at - started, gaps=end.gaps)
         end.attempt = onward

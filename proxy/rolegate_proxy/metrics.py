@@ -85,6 +85,13 @@ class ProxyMetrics:
             ["provider", "scope", "kind", "cause", "reason"],
             registry=self.registry,
         )
+        self.acts = Counter(
+            "rolegate_acts",
+            "Moves decided by the mid-stream rate test, by role, reason (rate, ttft, deadline) "
+            "and what was done (continued, raced, kept).",
+            ["role", "reason", "done"],
+            registry=self.registry,
+        )
         self.breaker_open = Gauge(
             "rolegate_breaker_open",
             "1 for each key currently excluded (Open or HalfOpen), by provider, model, machine "

@@ -21,3 +21,5 @@ class ProxySettings:
     # Breaker reports on ProviderPolicy status are re-sent at least this often (in a
     # cluster); the operator expires a pod's report after three missed heartbeats.
     status_heartbeat_seconds: float = 30.0
+    # Required as a bearer token by the explanation endpoints when set.
+    admin_token: str | None = None
