@@ -42,6 +42,31 @@ def provider_policy(
     }
 
 
+def machine_policy(
+    url: str, model: str, machines: list[dict[str, Any]], name: str = "agg"
+) -> dict[str, Any]:
+    """An aggregator ProviderPolicy serving one model, with machines written out in full
+    (published figures, continuesPartialMessage)."""
+    return {
+        "apiVersion": "rolegate.dev/v1alpha1",
+        "kind": "ProviderPolicy",
+        "metadata": {"name": name, "namespace": "test"},
+        "spec": {
+            "endpoint": f"{url}/v1",
+            "dialect": "Aggregator",
+            "models": [{"name": model, "machines": machines}],
+        },
+    }
+
+
+async def state_belief(proxy_url: str, machine: str) -> dict[str, Any]:
+    """One machine's belief, as the proxy's public state endpoint shows it."""
+    async with httpx.AsyncClient() as client:
+        state = (await client.get(f"{proxy_url}/v1/rolegate/state")).json()
+    (belief,) = [b for b in state["beliefs"] if b["machine"] == machine]
+    return dict(belief)
+
+
 def role_table(*roles: dict[str, Any], name: str = "roles") -> dict[str, Any]:
     return {
         "apiVersion": "rolegate.dev/v1alpha1",

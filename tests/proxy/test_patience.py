@@ -10,7 +10,15 @@ from typing import Any
 
 import httpx
 
-from ..support import ProxyFactory, SimFactory, role, role_table, sim_records
+from ..support import (
+    ProxyFactory,
+    SimFactory,
+    machine_policy,
+    role,
+    role_table,
+    sim_records,
+    state_belief,
+)
 
 MODEL = "vendor/model-a"
 LATE = {"kind": "lateFirstToken", "always": True, "seconds": 1.0}
@@ -18,23 +26,7 @@ ASK = {"model": "agent", "messages": [{"role": "user", "content": "hi"}], "strea
 
 
 def _policy(url: str, machines: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "apiVersion": "rolegate.dev/v1alpha1",
-        "kind": "ProviderPolicy",
-        "metadata": {"name": "agg", "namespace": "test"},
-        "spec": {
-            "endpoint": f"{url}/v1",
-            "dialect": "Aggregator",
-            "models": [{"name": MODEL, "machines": machines}],
-        },
-    }
-
-
-async def _state_belief(url: str, machine: str) -> dict[str, Any]:
-    async with httpx.AsyncClient() as client:
-        state = (await client.get(f"{url}/v1/rolegate/state")).json()
-    (belief,) = [b for b in state["beliefs"] if b["machine"] == machine]
-    return dict(belief)
+    return machine_policy(url, MODEL, machines)
 
 
 async def _stream(url: str) -> httpx.Headers:
@@ -218,13 +210,13 @@ async def test_a_late_first_token_races_a_better_machine_and_both_arms_teach(
             role_table(role("agent", [MODEL], patience=60)),
         ]
     )
-    before = await _state_belief(proxy.url, "late")
+    before = await state_belief(proxy.url, "late")
     started = time.monotonic()
     headers = await _stream(proxy.url)
     took = time.monotonic() - started
     assert headers["x-rolegate-machine"] == "fast"
     assert took < 3.5  # the late machine alone would take 4 s to its first token
-    after = await _state_belief(proxy.url, "late")
+    after = await state_belief(proxy.url, "late")
     # The losing arm's wait taught the ledger, as read from the proxy's state endpoint.
     assert after["expected_ttft_seconds"] > before["expected_ttft_seconds"]
     decision = proxy.state.decisions.recent()[-1]

@@ -12,23 +12,22 @@ import httpx
 import openai
 import pytest
 
-from ..support import ProxyFactory, SimFactory, role, role_table, sim_records
+from ..support import (
+    ProxyFactory,
+    SimFactory,
+    machine_policy,
+    role,
+    role_table,
+    sim_records,
+    state_belief,
+)
 
 MODEL = "vendor/model-a"
 PROMPT: Any = [{"role": "user", "content": "write the next step"}]
 
 
 def _policy(url: str, machines: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "apiVersion": "rolegate.dev/v1alpha1",
-        "kind": "ProviderPolicy",
-        "metadata": {"name": "agg", "namespace": "test"},
-        "spec": {
-            "endpoint": f"{url}/v1",
-            "dialect": "Aggregator",
-            "models": [{"name": MODEL, "machines": machines}],
-        },
-    }
+    return machine_policy(url, MODEL, machines)
 
 
 async def _decisions(url: str) -> list[dict[str, Any]]:
@@ -37,13 +36,6 @@ async def _decisions(url: str) -> list[dict[str, Any]]:
             "decisions"
         ]
         return found
-
-
-async def _belief(url: str, machine: str) -> dict[str, Any]:
-    async with httpx.AsyncClient() as client:
-        state = (await client.get(f"{url}/v1/rolegate/state")).json()
-    (belief,) = [b for b in state["beliefs"] if b["machine"] == machine]
-    return dict(belief)
 
 
 async def _stream_text(url: str, role_name: str = "agent") -> str:
@@ -150,10 +142,10 @@ async def test_case_2_a_late_first_token_moves_the_belief_even_when_the_stream_i
             role_table(role("agent", [MODEL], patience=60)),
         ]
     )
-    before = await _belief(proxy.url, "m1")
+    before = await state_belief(proxy.url, "m1")
     with pytest.raises(openai.APIError, match="incomplete"):
         await _stream_text(proxy.url)
-    after = await _belief(proxy.url, "m1")
+    after = await state_belief(proxy.url, "m1")
     assert after["expected_ttft_seconds"] > before["expected_ttft_seconds"] * 2
     assert after["sightings"] == 1
 
@@ -170,13 +162,13 @@ async def test_case_2_an_arm_the_client_abandoned_still_teaches(
             role_table(role("agent", [MODEL], patience=60)),
         ]
     )
-    before = await _belief(proxy.url, "m1")
+    before = await state_belief(proxy.url, "m1")
     body = {"model": "agent", "messages": PROMPT, "stream": True}
     async with httpx.AsyncClient() as client:
         with pytest.raises(httpx.ReadTimeout):
             await client.post(f"{proxy.url}/v1/chat/completions", json=body, timeout=1.5)
     await asyncio.sleep(0.2)
-    after = await _belief(proxy.url, "m1")
+    after = await state_belief(proxy.url, "m1")
     assert after["expected_ttft_seconds"] > before["expected_ttft_seconds"]
 
 
@@ -212,7 +204,7 @@ async def test_case_3_rulings_refusals_and_unknown_machines(
     third = (await sim_records(sim.url))[2]
     # ... which the ledger now knows; at 2 tok/s it is beyond even the agent's patience
     # for 512 tokens, so it is refused by name from then on.
-    stranger = await _belief(proxy.url, "stranger")
+    stranger = await state_belief(proxy.url, "stranger")
     assert stranger["sightings"] >= 1
     await _stream_text(proxy.url, "agent")
     fourth = (await sim_records(sim.url))[-1]
