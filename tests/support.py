@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
 
 from rolegate_policy.compile import compile_manifests
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    CompiledMachine,
+    CompiledModel,
+    CompiledProvider,
+    Dialect,
+    ProxyConfig,
+)
 from rolegate_policy.manifests import manifest_from_object
 from rolegate_proxy.server import RunningProxy
 from rolegate_sim.server import RunningSim
@@ -65,6 +71,41 @@ async def state_belief(proxy_url: str, machine: str) -> dict[str, Any]:
         state = (await client.get(f"{proxy_url}/v1/rolegate/state")).json()
     (belief,) = [b for b in state["beliefs"] if b["machine"] == machine]
     return dict(belief)
+
+
+def published_sheet(
+    provider: str,
+    model: str,
+    machines: Sequence[tuple[str, float | None, float | None]],
+    *,
+    continues: bool = False,
+) -> ProxyConfig:
+    """A compiled configuration with one aggregator model whose machines publish
+    (name, TTFT seconds, tokens per second): the ledger's sheet prior, for pure-core tests."""
+    return ProxyConfig(
+        providers=(
+            CompiledProvider(
+                name=provider,
+                source="test",
+                endpoint="http://upstream.invalid/v1",
+                dialect=Dialect.AGGREGATOR,
+                models=(
+                    CompiledModel(
+                        name=model,
+                        machines=tuple(
+                            CompiledMachine(
+                                name=name,
+                                ttft_seconds=ttft,
+                                tokens_per_second=rate,
+                                continues_partial_message=continues,
+                            )
+                            for name, ttft, rate in machines
+                        ),
+                    ),
+                ),
+            ),
+        )
+    )
 
 
 def role_table(*roles: dict[str, Any], name: str = "roles") -> dict[str, Any]:

@@ -71,6 +71,8 @@ def serve(
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
+            # Not every event loop can take signal handlers (Windows' cannot): there, the
+            # default KeyboardInterrupt still stops the process.
             with contextlib.suppress(NotImplementedError):
                 loop.add_signal_handler(sig, stop.set)
         await stop.wait()

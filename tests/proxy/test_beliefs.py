@@ -12,10 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolegate_policy.config import (
-    CompiledMachine,
-    CompiledModel,
-    CompiledProvider,
-    Dialect,
     ProxyConfig,
 )
 from rolegate_proxy.beliefs import (
@@ -29,30 +25,14 @@ from rolegate_proxy.beliefs import (
     truncated_mean,
 )
 
+from ..support import published_sheet
+
 AGG, MODEL = "openrouter", "qwen/qwen3-coder"
 HOUR = 3600.0
 
 
 def sheet(*machines: tuple[str, float | None, float | None]) -> ProxyConfig:
-    return ProxyConfig(
-        providers=(
-            CompiledProvider(
-                name=AGG,
-                source="test",
-                endpoint="http://upstream.invalid/v1",
-                dialect=Dialect.AGGREGATOR,
-                models=(
-                    CompiledModel(
-                        name=MODEL,
-                        machines=tuple(
-                            CompiledMachine(name=name, ttft_seconds=ttft, tokens_per_second=rate)
-                            for name, ttft, rate in machines
-                        ),
-                    ),
-                ),
-            ),
-        )
-    )
+    return published_sheet(AGG, MODEL, machines)
 
 
 def ledger(*machines: tuple[str, float | None, float | None], **knobs: float) -> Ledger:

@@ -13,12 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolegate_policy.config import (
-    CompiledMachine,
-    CompiledModel,
-    CompiledProvider,
     CompiledRole,
-    Dialect,
-    ProxyConfig,
     Ruling,
     Visibility,
 )
@@ -32,6 +27,8 @@ from rolegate_proxy.rate_test import (
     Watch,
     WatchSettings,
 )
+
+from ..support import published_sheet
 
 AGG, MODEL = "openrouter", "qwen/qwen3-coder"
 TOKENS = 600
@@ -52,30 +49,7 @@ def role(patience: float = 300.0, tokens: int = TOKENS) -> CompiledRole:
 
 
 def ledger(*machines: tuple[str, float, float], continues: bool = True) -> Ledger:
-    config = ProxyConfig(
-        providers=(
-            CompiledProvider(
-                name=AGG,
-                source="test",
-                endpoint="http://upstream.invalid/v1",
-                dialect=Dialect.AGGREGATOR,
-                models=(
-                    CompiledModel(
-                        name=MODEL,
-                        machines=tuple(
-                            CompiledMachine(
-                                name=name,
-                                ttft_seconds=ttft,
-                                tokens_per_second=rate,
-                                continues_partial_message=continues,
-                            )
-                            for name, ttft, rate in machines
-                        ),
-                    ),
-                ),
-            ),
-        )
-    )
+    config = published_sheet(AGG, MODEL, machines, continues=continues)
     book = Ledger()
     book.load_sheet(config)
     return book
