@@ -17,6 +17,7 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 from rolegate_policy.manifests import manifest_from_object
+from rolegate_proxy.outcomes import Outcome
 from rolegate_proxy.server import RunningProxy
 from rolegate_sim.server import RunningSim
 
@@ -154,6 +155,19 @@ async def wait_for_sim_record(
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"no finished simulator record within {within}s: {records}")
         await asyncio.sleep(0.02)
+
+
+async def outcomes(proxy: RunningProxy, count: int, within: float = 5.0) -> list[Outcome]:
+    """The proxy's recent outcomes once at least `count` have reached its decision log (the
+    outcome channel hands them over on the loop's next turn, after the response)."""
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        found = proxy.state.decisions.recent()
+        if len(found) >= count:
+            return found
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{len(found)} outcomes within {within}s, expected {count}")
+        await asyncio.sleep(0.01)
 
 
 def compile_objects(objects: list[dict[str, Any]]) -> ProxyConfig:

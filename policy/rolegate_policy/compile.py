@@ -423,6 +423,7 @@ class _RoleStage:
                     effective_ruling=ruling.effective,
                     ruling_reason=ruling.reason,
                     expected_output_tokens=role.expected_output_tokens,
+                    quality_tolerance=role.quality_tolerance,
                 )
             )
             self.claimed_by[role.name] = manifest

@@ -120,6 +120,8 @@ class CompiledRole(Frozen):
     effective_ruling: Ruling
     ruling_reason: str
     expected_output_tokens: int
+    # Operational scores this close count as equal quality; cost breaks the tie (SPEC C5).
+    quality_tolerance: float = 0.05
 
 
 class ProxyConfig(Frozen):

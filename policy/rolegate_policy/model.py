@@ -192,6 +192,18 @@ class RoleSpec(SpecModel):
             "tokens per second into an expected time to a usable answer."
         ),
     )
+    quality_tolerance: float = Field(
+        default=0.05,
+        ge=0,
+        le=1,
+        description=(
+            "How far apart two machines' operational scores (0 to 1, the smoothed share "
+            "of usable answers) may be and still count as equal quality; inside it the "
+            "cheaper machine leads, then the faster. A machine behind the best by part of "
+            "the tolerance leads that part less often, so traffic shifts gradually. 0: "
+            "strictly by score."
+        ),
+    )
 
     @model_validator(mode="after")
     def _models_unique(self) -> RoleSpec:

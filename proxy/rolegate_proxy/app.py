@@ -25,8 +25,13 @@ from .credentials import KeyStore
 from .decisions import Decision, DecisionLog
 from .dispatch import Dispatcher
 from .errors import ProxyError
+from .feedback import ServedIndex
 from .metrics import ProxyMetrics
+from .outcome_export import OutcomeExporter
+from .outcomes import Consumer, Outcome, OutcomeChannel, OutcomeKind
 from .relay import RelayContext
+from .score import Scoreboard, ScoreSettings
+from .score_feed import ScoreFeed
 from .settings import ProxySettings
 from .status_reporter import BreakerReporter
 from .verdicts import VerdictLog
@@ -47,18 +52,69 @@ class ProxyState:
     session: aiohttp.ClientSession | None = None
     source: ConfigMapSource | None = None
     decisions: DecisionLog = field(default_factory=DecisionLog)
+    served: ServedIndex = field(default_factory=ServedIndex)
     dispatcher: Dispatcher = field(init=False)
+    outcomes: OutcomeChannel = field(init=False)
+    exporter: OutcomeExporter | None = field(init=False, default=None)
+    # The outcome channel's consumers, in order: the score first (the closed loop).
+    consumers: list[Consumer] = field(init=False)
 
     def __post_init__(self) -> None:
         rng = random.Random()
+        settings = self.settings
         self.dispatcher = Dispatcher(
             breakers=Breakers(self._breaker_settings, rng, degraded_for=self._degraded_settings),
             verdicts=VerdictLog(),
             rng=rng,
             metrics=self.metrics,
+            scores=Scoreboard(
+                ScoreSettings(settings.score_full_confidence, settings.score_half_life)
+            ),
         )
         # The published figures are the ledger's prior (the sheet), reloaded with config.
         self.dispatcher.ledger.load_sheet(self.config)
+        self.outcomes = OutcomeChannel(settings.outcome_buffer)
+        self.consumers = [
+            ScoreFeed(self.dispatcher.scores, self.dispatcher.now),
+            self.metrics.observe_outcomes,
+            self.decisions,
+            self.served,
+        ]
+        if settings.outcome_export is not None:
+            self.exporter = OutcomeExporter(settings.outcome_export)
+            self.consumers.append(self.exporter)
+        exporter = self.exporter
+        self.metrics.watch_scores(self.dispatcher.scores.rows)
+        self.metrics.watch_counters(
+            {
+                "rolegate_outcomes_emitted": (
+                    "Outcome records emitted: one per finished client request.",
+                    lambda: self.outcomes.emitted,
+                ),
+                "rolegate_outcomes_dropped": (
+                    "Outcome records evicted from the full outcome buffer before a consumer "
+                    "saw them (the channel drops under overload rather than slow a request).",
+                    lambda: self.outcomes.dropped,
+                ),
+                "rolegate_outcome_export_dropped": (
+                    "Outcome records the JSON-lines exporter dropped because its writer fell "
+                    "behind (0 when the export is off).",
+                    lambda: exporter.dropped if exporter is not None else 0,
+                ),
+            }
+        )
+
+    def consume(self) -> int:
+        """Hand every buffered outcome to the consumers; how many there were."""
+        batch = self.outcomes.drain()
+        if batch:
+            for consumer in self.consumers:
+                try:
+                    consumer(batch)
+                except Exception:
+                    # One consumer's bug must not starve the others (or the score).
+                    log.exception("outcome consumer %r failed on a batch", consumer)
+        return len(batch)
 
     def _breaker_settings(self, provider: str) -> BreakerSettings:
         found = self.config.provider(provider)
@@ -107,6 +163,7 @@ def create_app(
     app.cleanup_ctx.append(_upstream_session)
     app.cleanup_ctx.append(_key_refresher)
     app.cleanup_ctx.append(_breaker_clock)
+    app.cleanup_ctx.append(_outcome_drain)
     if source is not None:
         app.cleanup_ctx.append(_config_watch)
         # In a cluster (the configuration comes from the API server), breaker state goes
@@ -119,6 +176,7 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/rolegate/decisions", explain.decisions)
     app.router.add_get("/v1/rolegate/state", explain.state)
+    app.router.add_post("/v1/feedback", explain.feedback)
     return app
 
 
@@ -146,6 +204,37 @@ async def _key_refresher(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _outcome_drain(app: web.Application) -> AsyncIterator[None]:
+    """The outcome channel's background side: wake on emission, let a batch gather for
+    `outcome_batch_seconds`, hand it to the consumers. The request path only appends."""
+    state = app[STATE]
+    wake = asyncio.Event()
+    state.outcomes.wake = wake.set
+
+    async def drain_forever() -> None:
+        while True:
+            await wake.wait()
+            wake.clear()
+            if state.settings.outcome_batch_seconds > 0:
+                await asyncio.sleep(state.settings.outcome_batch_seconds)
+            state.consume()
+
+    tasks = [asyncio.create_task(drain_forever(), name="rolegate-outcome-drain")]
+    if state.exporter is not None:
+        tasks.append(asyncio.create_task(state.exporter.run(), name="rolegate-outcome-export"))
+    yield
+    # Shutdown: what is still buffered reaches the consumers (and the export) once more.
+    tasks[0].cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await tasks[0]
+    state.consume()
+    state.outcomes.wake = None
+    for task in tasks[1:]:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def _breaker_clock(app: web.Application) -> AsyncIterator[None]:
@@ -206,17 +295,17 @@ async def _config_watch(app: web.Application) -> AsyncIterator[None]:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     config = state.config
-    started = time.perf_counter()
-    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    started = state.dispatcher.now()
+    request_id = _request_id(request)
     base_headers = {"X-Request-Id": request_id}
-    role_name = "-"
     status = 500
+    kind = OutcomeKind.FAILED
+    error_code: str | None = None
     decision: Decision | None = None
     try:
         raw = await _read_body(request, state.settings.max_body_bytes)
         body = parse_body(raw)
         role = choose_role(body, request.headers.get(ROLE_HEADER), config)
-        role_name = role.name
         base_headers["X-Rolegate-Role"] = role.name
         chat = validate_chat_request(body, role)
         assert state.session is not None, "the upstream session starts with the app"
@@ -231,29 +320,59 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             request_id=request_id,
             role=role.name,
             ruling=role.effective_ruling.value,
-            started_at=state.dispatcher.now(),
+            started_at=started,
+            stream=chat.stream,
+            patience_seconds=role.patience_seconds,
         )
         response = await state.dispatcher.handle(request, chat, config, ctx, decision)
-        status = response.status
+        status, kind = response.status, OutcomeKind.ANSWERED
         return response
     except ProxyError as error:
-        status = error.status
+        status, error_code = error.status, error.code
+        # 429 and 5xx: nobody could answer; any other 4xx: the request itself was refused.
+        kind = OutcomeKind.FAILED if status == 429 or status >= 500 else OutcomeKind.REJECTED
         return error.response(base_headers)
     except asyncio.CancelledError:
-        status = 499  # the client went away; nginx's convention, for metrics only
+        status, kind = 499, OutcomeKind.CANCELLED  # nginx's convention for a client gone
         raise
     finally:
+        # Exactly one outcome per request, whatever happened (SPEC C7): O(1), no I/O.
+        now = state.dispatcher.now()
         if decision is not None:
-            state.decisions.append(decision)
-        state.metrics.requests.labels(role_name, str(status)).inc()
-        state.metrics.latency.labels(role_name).observe(time.perf_counter() - started)
+            outcome = decision.finish(
+                outcome=kind, status=status, now=now, config_hash=config.hash,
+                error_code=error_code,
+            )  # fmt: skip
+        else:
+            outcome = Outcome(
+                request_id=request_id,
+                role=None,
+                outcome=kind,
+                status=status,
+                stream=False,
+                started_at=time.time() - (now - started),
+                latency_seconds=now - started,
+                config_hash=config.hash,
+                error_code=error_code,
+            )
+        state.outcomes.emit(outcome)
         log.info(
-            "request id=%s role=%s status=%d ms=%.1f",
+            "request id=%s role=%s status=%d outcome=%s ms=%.1f",
             request_id,
-            role_name,
+            outcome.role or "-",
             status,
-            (time.perf_counter() - started) * 1000,
+            outcome.outcome.value,
+            outcome.latency_seconds * 1000,
         )
+
+
+def _request_id(request: web.Request) -> str:
+    """The caller's X-Request-Id when it is a sane token (it is echoed and logged), else a
+    fresh one."""
+    given = request.headers.get("X-Request-Id", "")
+    if 0 < len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given:
+        return given
+    return uuid.uuid4().hex
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:

@@ -24,6 +24,8 @@ class ChatRequest:
     # computed once per request because degraded-output attribution (SPEC A3) needs it and
     # the prompt is never kept.
     prompt: PromptProfile
+    # Estimated input tokens (for the expected cost of each machine).
+    prompt_tokens: int = 0
 
     @property
     def prompt_is_ascii(self) -> bool:
@@ -125,8 +127,28 @@ def validate_chat_request(body: dict[str, Any], role: CompiledRole) -> ChatReque
             param="stream_options",
         )
     return ChatRequest(
-        role=role, body=body, stream=stream, prompt=profile_prompt(messages, body.get("tools"))
+        role=role,
+        body=body,
+        stream=stream,
+        prompt=profile_prompt(messages, body.get("tools")),
+        prompt_tokens=estimate_prompt_tokens(messages),
     )
+
+
+def estimate_prompt_tokens(messages: Any) -> int:
+    """A rough input size for the expected cost (about four characters a token): ranking
+    only compares machines on the same request, so a shared error cancels out."""
+    chars = 0
+    stack = [messages]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            chars += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return chars // 4
 
 
 def _json_type(value: Any) -> str:

@@ -10,10 +10,17 @@ ProviderPolicy names or the ledger knows about, each with its fate and the reaso
   expected past the patience is refused too, even when its rate is unknown. A hard
   exclusion (breaker, rate limit, auth, quota) refuses with the exclusion's reason; a
   machine that already failed in this request is refused with reason `failed`.
-* **Ranking.** The admitted machines are ranked by `rank_key` (default: expected time, an
-  unknown machine last); the quality issue plugs its score in there.
+* **Ranking (C4, C5).** The admitted machines are ranked by `ranking.rank`: quality first
+  (the shrunk operational score, in dithered tiers of the role's quality tolerance), then
+  the semantic score as a demotion only, then expected cost, then expected time (an
+  unknown machine last). The score only orders what was admitted: it never refuses a
+  machine, and no score brings back one a breaker or an exclusion refused. Candidates
+  serving the same model on different providers are ordered the same way
+  (`order_candidates`); the role's model order stays the caller's.
 * **Affinity (B3).** The machine that last answered for the role leads its candidate's
-  order unless it is refused now, and a refused machine loses the pin.
+  order unless it is refused now, and a refused machine loses the pin. So does one that
+  fell out of the top quality tier: the score lowers preference, the pin must not
+  outlive that.
 * **Unknown machines (B2).** Machines known only from the ledger (an aggregator routed to
   them unasked) are candidates, and refusable by name, like those on the sheet.
 * **Ruling (B4).** An aggregator gets `order` + `ignore` (every refused machine) +
@@ -31,16 +38,19 @@ See docs/patience.md.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Final
 
-from rolegate_policy.config import CompiledRole, Ruling
+from rolegate_policy.config import CompiledMachine, CompiledRole, Ruling
 
 from .beliefs import Ledger, MachineBelief, MachineKey
 from .exclusions import Exclusion
+from .ranking import Entry, Placed, expected_cost, rank
 from .routing import Candidate, aggregator_routing
+from .score import Scoreboard
 
 # (provider, model, machine or None for a direct provider, now) -> why it may not be sent
 # to. `Breakers.exclusion` is one: a read that changes nothing.
@@ -93,9 +103,6 @@ class MachineFate:
     @property
     def expected_rate(self) -> float | None:
         return None if self.belief is None else self.belief.expected_rate
-
-
-RankKey = Callable[[MachineFate], float]
 
 
 def by_expected_time(fate: MachineFate) -> float:
@@ -254,9 +261,17 @@ class Chooser:
     """Plans requests from the ledger's beliefs and the breakers' exclusions, and holds
     each role's affinity pin. Pure; `now` is passed in. Not thread-safe."""
 
-    def __init__(self, ledger: Ledger, *, rank_key: RankKey = by_expected_time) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        scores: Scoreboard | None = None,
+        draw: Callable[[], float] | None = None,
+    ) -> None:
         self.ledger = ledger
-        self.rank_key = rank_key
+        self.scores = scores if scores is not None else Scoreboard()
+        # Uniform on [0, 1): the dither of the quality tiers. Tests pass a seeded one.
+        self.draw = draw if draw is not None else random.Random().random
         self._pins: dict[str, MachineKey] = {}
 
     # -- affinity -------------------------------------------------------------------------
@@ -281,6 +296,7 @@ class Chooser:
         now: float,
         *,
         avoid: Collection[MachineKey] = (),
+        prompt_tokens: int = 0,
     ) -> Plan:
         """Every candidate's choice, in order. `avoid`: machines that failed earlier in
         this request."""
@@ -288,7 +304,11 @@ class Chooser:
         choices: list[Choice] = []
         for candidate in candidates:
             pin = self._pins.get(role.name)
-            choices.append(self.choose(role, candidate, exclusion, now, avoid=avoid))
+            choices.append(
+                self.choose(
+                    role, candidate, exclusion, now, avoid=avoid, prompt_tokens=prompt_tokens
+                )
+            )
             if pin is not None and self._pins.get(role.name) is None:
                 unpinned = pin
         return Plan(role.name, tuple(choices), unpinned)
@@ -301,9 +321,11 @@ class Chooser:
         now: float,
         *,
         avoid: Collection[MachineKey] | Collection[str] = (),
+        prompt_tokens: int = 0,
     ) -> Choice:
         """One candidate's choice. `avoid` names machines that failed earlier in this
-        request (MachineKeys, or bare machine names of this candidate)."""
+        request (MachineKeys, or bare machine names of this candidate); `prompt_tokens`
+        is the request's estimated input, for the expected cost."""
         provider, model = candidate.provider.name, candidate.model.name
         aggregator = candidate.is_aggregator
         sheet = {machine.name: machine for machine in candidate.model.machines}
@@ -354,14 +376,15 @@ class Chooser:
                 )
             fates.append(fate)
 
-        admitted = sorted(
-            (f for f in fates if f.admitted), key=lambda f: (self.rank_key(f), f.machine)
-        )
+        placed = self._rank(role, provider, model, [f for f in fates if f.admitted], sheet,
+                            prompt_tokens)  # fmt: skip
+        admitted = [fate for fate, _ in placed]
         refused = sorted(
             (f for f in fates if not f.admitted),
             key=lambda f: (_REFUSAL_ORDER[f.fate], by_expected_time(f), f.machine),
         )
-        pinned = self._apply_pin(role.name, provider, model, admitted, refused)
+        top = {fate.machine for fate, place in placed if place.tier == 0}
+        pinned = self._apply_pin(role.name, provider, model, admitted, refused, top)
         ruling = Ruling.ONLY if role.effective_ruling is Ruling.ONLY else Ruling.ORDER
         ordered = (*admitted, *refused)
         if not admitted:
@@ -386,6 +409,94 @@ class Chooser:
             role.name, provider, model, aggregator, ruling, ordered, routing, None, pinned
         )
 
+    def _rank(
+        self,
+        role: CompiledRole,
+        provider: str,
+        model: str,
+        admitted: list[MachineFate],
+        sheet: dict[str, CompiledMachine],
+        prompt_tokens: int,
+    ) -> list[tuple[MachineFate, Placed]]:
+        """The admitted machines in rank order, each with its placement (in its detail)."""
+        entries = [
+            self._entry(role, MachineKey(provider, model, fate.machine), fate, sheet, prompt_tokens)
+            for fate in admitted
+        ]
+        by_machine = {fate.machine: fate for fate in admitted}
+        ranked = []
+        for place in rank(entries, role.quality_tolerance, self.draw):
+            fate = by_machine[place.entry.key.machine]
+            ranked.append((replace(fate, detail=f"{fate.detail}; {place.reason}"), place))
+        return ranked
+
+    def _entry(
+        self,
+        role: CompiledRole,
+        key: MachineKey,
+        fate: MachineFate,
+        sheet: dict[str, CompiledMachine],
+        prompt_tokens: int,
+    ) -> Entry:
+        semantic = self.scores.semantic(key)
+        compiled = sheet.get(key.machine)
+        cost = (
+            expected_cost(
+                compiled.price_input_per_mtok,
+                compiled.price_output_per_mtok,
+                prompt_tokens,
+                role.expected_output_tokens,
+            )
+            if compiled is not None
+            else None
+        )
+        return Entry(
+            key,
+            self.scores.operational(key).score,
+            None if semantic is None else semantic.score,
+            cost,
+            fate.expected_seconds,
+        )
+
+    def order_candidates(
+        self,
+        role: CompiledRole,
+        candidates: Sequence[Candidate],
+        exclusion: ExclusionLookup,
+        now: float,
+        *,
+        prompt_tokens: int = 0,
+    ) -> list[Candidate]:
+        """The candidates with each model's providers ranked like machines (quality, then
+        cost, then time, by the machine each would send to first); the role's model order
+        is kept. A candidate with nothing admitted goes after its model's others."""
+        models = list(dict.fromkeys(c.model.name for c in candidates))
+        if len(models) == len(candidates):
+            return list(candidates)
+        ordered: list[Candidate] = []
+        for model in models:
+            group = [c for c in candidates if c.model.name == model]
+            if len(group) == 1:
+                ordered.extend(group)
+                continue
+            entries: list[Entry] = []
+            by_key: dict[MachineKey, Candidate] = {}
+            closed: list[Candidate] = []
+            for candidate in group:
+                choice = self.choose(role, candidate, exclusion, now, prompt_tokens=prompt_tokens)
+                if not choice.sendable:
+                    closed.append(candidate)
+                    continue
+                head = choice.fates[0]
+                key = choice.key(head.machine)
+                sheet = {m.name: m for m in candidate.model.machines}
+                entries.append(self._entry(role, key, head, sheet, prompt_tokens))
+                by_key[key] = candidate
+            placed = rank(entries, role.quality_tolerance, self.draw)
+            ordered.extend(by_key[place.entry.key] for place in placed)
+            ordered.extend(closed)
+        return ordered
+
     def _apply_pin(
         self,
         role: str,
@@ -393,12 +504,14 @@ class Chooser:
         model: str,
         admitted: list[MachineFate],
         refused: list[MachineFate],
+        top: set[str],
     ) -> str | None:
         pin = self._pins.get(role)
         if pin is None or pin.provider != provider or pin.model != model:
             return None
-        if any(f.machine == pin.machine for f in refused):
-            # A refused machine never keeps the pin (B3).
+        if any(f.machine == pin.machine for f in refused) or (admitted and pin.machine not in top):
+            # A refused machine never keeps the pin (B3); nor does one the score placed
+            # below the top quality tier (C4: the score lowers preference).
             del self._pins[role]
             return None
         for index, fate in enumerate(admitted):

@@ -1,30 +1,21 @@
 """What the proxy decided for a request and why (SPEC A9, C8): routing metadata only.
 
-Every candidate of a request is noted with what happened to it: sent (and how that
-ended), or skipped and why (a breaker, a rate limit, the role's patience, a request fault
-that made the rest pointless). Never any prompt or completion text. Kept in a bounded
-in-memory log; a later endpoint serves it.
+A `Decision` is built while a request is routed: every candidate or machine skipped and
+why (a breaker, a rate limit, the role's patience, a request fault that made the rest
+pointless), and every upstream attempt (an `Arm`) with how it ended. When the request
+finishes, `Decision.finish` turns it into the request's one `Outcome` for the outcome
+channel. The `DecisionLog` is one of the channel's consumers: the recent outcomes, which
+`GET /v1/rolegate/decisions` serves. Never any prompt or completion text.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 
-
-class Action(StrEnum):
-    SENT = "sent"
-    SKIPPED = "skipped"
-
-
-@dataclass(frozen=True, slots=True)
-class CandidateNote:
-    provider: str
-    model: str
-    machine: str | None
-    action: Action
-    reason: str
+from .outcomes import Arm, Outcome, OutcomeKind, Skip
 
 
 @dataclass(slots=True)
@@ -32,39 +23,106 @@ class Decision:
     request_id: str
     role: str
     ruling: str
+    # Monotonic, like every clock of the dispatcher.
     started_at: float
-    notes: list[CandidateNote] = field(default_factory=list)
+    stream: bool = False
+    patience_seconds: float | None = None
+    started_wall: float = field(default_factory=time.time)
+    arms: list[Arm] = field(default_factory=list)
+    skips: list[Skip] = field(default_factory=list)
     served_provider: str | None = None
     served_model: str | None = None
     served_machine: str | None = None
-    attempts: int = 0
-    outcome: str = "pending"
+    outcome: OutcomeKind | None = None
+    finish_reason: str | None = None
+    verdict: str | None = None
+    tokens_in: int | None = None
+    tokens_out: int | None = None
+    tokens_estimated: bool = False
+    cost_usd: float | None = None
+    # Monotonic time the first content byte was written to the client.
+    first_content_at: float | None = None
+
+    @property
+    def attempts(self) -> int:
+        return len(self.arms)
 
     def skip(self, provider: str, model: str, machine: str | None, reason: str) -> None:
-        self.notes.append(CandidateNote(provider, model, machine, Action.SKIPPED, reason))
+        self.skips.append(Skip(provider, model, machine, reason))
 
-    def sent(self, provider: str, model: str, machine: str | None, result: str) -> None:
-        self.attempts += 1
-        self.notes.append(CandidateNote(provider, model, machine, Action.SENT, result))
+    def arm(self, arm: Arm) -> None:
+        self.arms.append(arm)
 
     def skipped_reasons(self) -> list[str]:
         return [
-            f"{note.provider}/{note.model}"
-            + (f"@{note.machine}" if note.machine else "")
-            + f": {note.reason}"
-            for note in self.notes
-            if note.action is Action.SKIPPED
+            f"{skip.provider}/{skip.model}"
+            + (f"@{skip.machine}" if skip.machine else "")
+            + f": {skip.reason}"
+            for skip in self.skips
         ]
+
+    def finish(
+        self,
+        *,
+        outcome: OutcomeKind,
+        status: int,
+        now: float,
+        config_hash: str,
+        error_code: str | None = None,
+    ) -> Outcome:
+        """The request's outcome record. `outcome` is the caller's view (answered unless
+        the dispatcher already knew better, e.g. incomplete)."""
+        kind = (
+            self.outcome
+            if self.outcome is not None and outcome is OutcomeKind.ANSWERED
+            else outcome
+        )
+        ttft = None if self.first_content_at is None else self.first_content_at - self.started_at
+        return Outcome(
+            request_id=self.request_id,
+            role=self.role,
+            outcome=kind,
+            status=status,
+            stream=self.stream,
+            started_at=self.started_wall,
+            latency_seconds=now - self.started_at,
+            ttft_seconds=ttft,
+            ruling=self.ruling,
+            patience_seconds=self.patience_seconds,
+            provider=self.served_provider,
+            model=self.served_model,
+            machine=self.served_machine,
+            finish_reason=self.finish_reason,
+            verdict=self.verdict,
+            tokens_in=self.tokens_in,
+            tokens_out=self.tokens_out,
+            tokens_estimated=self.tokens_estimated,
+            cost_usd=self.cost_usd,
+            arms=tuple(self.arms),
+            skipped=tuple(self.skips),
+            config_hash=config_hash,
+            error_code=error_code,
+        )
 
 
 class DecisionLog:
-    """The most recent decisions; appending is O(1) and the oldest fall off."""
+    """The most recent outcomes, fed by the outcome channel; O(1) per record, the oldest
+    fall off."""
 
     def __init__(self, maxlen: int = 2000) -> None:
-        self._items: deque[Decision] = deque(maxlen=maxlen)
+        self._items: deque[Outcome] = deque(maxlen=maxlen)
 
-    def append(self, decision: Decision) -> None:
-        self._items.append(decision)
+    def __call__(self, batch: Sequence[Outcome]) -> None:
+        self._items.extend(batch)
 
-    def recent(self) -> list[Decision]:
-        return list(self._items)
+    def recent(self, *, role: str | None = None, request_id: str | None = None) -> list[Outcome]:
+        """Oldest first, optionally only one role's or one request's."""
+        return [
+            outcome
+            for outcome in self._items
+            if (role is None or outcome.role == role)
+            and (request_id is None or outcome.request_id == request_id)
+        ]
+
+    def __iter__(self) -> Iterator[Outcome]:
+        return iter(self._items)

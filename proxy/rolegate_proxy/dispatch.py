@@ -33,6 +33,7 @@ from .decisions import Decision
 from .errors import ProxyError
 from .exclusions import Transition, parse_retry_after
 from .metrics import ProxyMetrics
+from .outcomes import Arm, ArmAct, ArmResult, OutcomeKind
 from .rate_test import Watch
 from .relay import (
     Answer,
@@ -47,6 +48,7 @@ from .relay import (
     resume_stream,
 )
 from .routing import Attempt, Candidate, plan_candidates
+from .score import Scoreboard
 from .upstream import RequestFault, UpstreamFailure
 from .verdicts import Verdict, VerdictKind, VerdictLog, VerdictRow, judge
 
@@ -73,10 +75,12 @@ class Dispatcher:
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
     # What each machine is believed to do, and who may be sent to (SPEC B1-B4, B7).
     ledger: Ledger = field(default_factory=Ledger)
+    # Each machine's operational and semantic quality (SPEC C1-C3), fed by the outcomes.
+    scores: Scoreboard = field(default_factory=Scoreboard)
     chooser: Chooser = field(init=False)
 
     def __post_init__(self) -> None:
-        self.chooser = Chooser(self.ledger)
+        self.chooser = Chooser(self.ledger, scores=self.scores, draw=self.rng.random)
 
     listeners: list[Callable[[Transition], None]] = field(default_factory=list)
 
@@ -93,7 +97,13 @@ class Dispatcher:
     ) -> web.StreamResponse:
         deadline = decision.started_at + chat.role.patience_seconds
         failures: list[UpstreamFailure] = []
-        candidates = plan_candidates(chat.role, config)
+        candidates = self.chooser.order_candidates(
+            chat.role,
+            plan_candidates(chat.role, config),
+            self.breakers.exclusion,
+            self.now(),
+            prompt_tokens=chat.prompt_tokens,
+        )
         skip_model: set[str] = set()
         attempts_left = MAX_ATTEMPTS
         for index, candidate in enumerate(candidates):
@@ -127,7 +137,7 @@ class Dispatcher:
                 except UpstreamFailure as failure:
                     failures.append(failure)
                     self._record_failure(failure, started)
-                    decision.sent(provider, model, failure.machine, failure.detail)
+                    decision.arm(self._failed_arm(failure, started))
                     fault = failure.request_fault
                     if fault is RequestFault.CONTEXT_LENGTH:
                         skip_model.add(model)
@@ -164,7 +174,7 @@ class Dispatcher:
                 except UpstreamFailure as failure:
                     failures.append(failure)
                     self._record_failure(failure, started)
-                    decision.sent(resort.provider, resort.model, failure.machine, failure.detail)
+                    decision.arm(self._failed_arm(failure, started))
         raise self._exhausted(chat, candidates, failures, decision)
 
     def _admit(
@@ -177,7 +187,12 @@ class Dispatcher:
         provider, model = candidate.provider.name, candidate.model.name
         now = self.now()
         choice = self.chooser.choose(
-            chat.role, candidate, self.breakers.exclusion, now, avoid=failed_machines
+            chat.role,
+            candidate,
+            self.breakers.exclusion,
+            now,
+            avoid=failed_machines,
+            prompt_tokens=chat.prompt_tokens,
         )
         for fate in (f for f in choice.fates if not f.admitted):
             machine = fate.machine if candidate.is_aggregator else None
@@ -205,7 +220,6 @@ class Dispatcher:
         budget: float,
         config: ProxyConfig,
     ) -> web.StreamResponse:
-        provider, model = attempt.provider.name, attempt.model.name
         if not chat.stream:
             completed = await complete_once(chat, attempt, ctx, budget)
             verdict = self._judge(chat, completed.answer, attempt)
@@ -219,15 +233,18 @@ class Dispatcher:
                     verdict=verdict,
                 )
             self._record_answer(attempt, completed.answer, verdict, started)
-            self._served(decision, attempt, completed.answer, "answered")
+            decision.first_content_at = self.now()
+            self._served(decision, chat, attempt, completed.answer, verdict, started)
             return completed.response
         presumed = _presumed_machine(attempt)
         watch = self._watch(chat, attempt, presumed, started, decision, config)
         opened, attempt, started = await self._first_content(
             chat, attempt, ctx, budget, watch, decision, config, started
         )
+        raced = any(arm.act is ArmAct.RACED for arm in decision.arms)
         provider, model = attempt.provider.name, attempt.model.name
         ttft = opened.first_at - started
+        decision.first_content_at = opened.first_at
         served = opened.served.machine or attempt.single_machine
         if served is not None and served != presumed:
             key = MachineKey(provider, model, served)
@@ -238,6 +255,10 @@ class Dispatcher:
         except BaseException:
             # The client left mid-stream: the arm still teaches what it showed.
             self._teach(attempt, opened.served.machine, ttft=ttft, cut=True)
+            decision.arm(
+                Arm(provider, model, served, ArmResult.CANCELLED, 200, self.now() - started,
+                    ttft, ArmAct.RACED if raced else None, "the client went away mid-stream")
+            )  # fmt: skip
             raise
         self._teach(
             attempt,
@@ -246,9 +267,13 @@ class Dispatcher:
             gaps=end.gaps,
             cut=end.fault is not None or end.moved is not None,
         )
+        act = ArmAct.RACED if raced else None
         if end.moved is not None:
-            end = await self._move(chat, attempt, end, ctx, decision, config)
+            end, act, started, ttft = await self._move(
+                chat, attempt, end, ctx, decision, config, started, ttft
+            )
             attempt = end.attempt or attempt
+            provider, model = attempt.provider.name, attempt.model.name
         machine = _machine(attempt, end.answer)
         if end.fault is not None:
             # Content had reached the client, which got an error event: the stream counts
@@ -258,12 +283,15 @@ class Dispatcher:
                     provider, model, end.fault, machine=machine, started_at=started
                 )
             )
-            self._served(decision, attempt, end.answer, f"stream broke after content: {end.detail}")
-            decision.outcome = "stream_incomplete"
+            self._served(
+                decision, chat, attempt, end.answer, None, started, ttft=ttft, act=act,
+                broke=f"stream broke after content: {end.detail}",
+            )  # fmt: skip
+            decision.outcome = OutcomeKind.INCOMPLETE
             return end.response
         verdict = self._judge(chat, end.answer, attempt)
         self._record_answer(attempt, end.answer, verdict, started)
-        self._served(decision, attempt, end.answer, "answered")
+        self._served(decision, chat, attempt, end.answer, verdict, started, ttft=ttft, act=act)
         return end.response
 
     async def _first_content(
@@ -303,12 +331,7 @@ class Dispatcher:
             if rival is None:
                 opened = self._opened_or_taught(await _settle(first), attempt, started)
                 return opened, attempt, started
-            decision.sent(
-                attempt.provider.name,
-                attempt.model.name,
-                _presumed_machine(attempt),
-                f"racing ({act.reason.value}): {act.detail}",
-            )
+            race = f"raced ({act.reason.value}): {act.detail}"
             self.metrics.acts.labels(chat.role.name, act.reason.value, "raced").inc()
             rival_started = self.now()
             second = asyncio.create_task(open_stream(chat, rival, ctx, budget))
@@ -333,12 +356,19 @@ class Dispatcher:
                         named = watch.serving.machine if watch.serving is not None else None
                         machine = named if other is first else _presumed_machine(loser)
                         self._teach(loser, machine, waited=self.now() - loser_started)
+                        decision.arm(
+                            Arm(loser.provider.name, loser.model.name, machine,
+                                ArmResult.CANCELLED, None, self.now() - loser_started, None,
+                                ArmAct.RACED, f"lost the race; {race}")
+                        )  # fmt: skip
                     for lost_failure, failed_at in lost:
                         self._record_failure(lost_failure, failed_at)
+                        decision.arm(self._failed_arm(lost_failure, failed_at, ArmAct.RACED))
                     return opened, arm, arm_started
             # Both arms failed: the caller records the last; the other is recorded here.
             for lost_failure, failed_at in lost[:-1]:
                 self._record_failure(lost_failure, failed_at)
+                decision.arm(self._failed_arm(lost_failure, failed_at, ArmAct.RACED))
             raise lost[-1][0]
         except BaseException as error:
             for task in tasks:
@@ -346,9 +376,13 @@ class Dispatcher:
             if isinstance(error, asyncio.CancelledError):
                 # The client left before the first token: the wait still teaches (B7).
                 named = watch.serving.machine if watch.serving is not None else None
-                self._teach(
-                    attempt, named or _presumed_machine(attempt), waited=self.now() - started
-                )
+                machine = named or _presumed_machine(attempt)
+                self._teach(attempt, machine, waited=self.now() - started)
+                decision.arm(
+                    Arm(attempt.provider.name, attempt.model.name, machine, ArmResult.CANCELLED,
+                        None, self.now() - started, None, None,
+                        "the client went away before the first token")
+                )  # fmt: skip
             raise
 
     def _opened_or_taught(
@@ -408,10 +442,13 @@ class Dispatcher:
         ctx: RelayContext,
         decision: Decision,
         config: ProxyConfig,
-    ) -> StreamEnd:
+        started: float,
+        ttft: float,
+    ) -> tuple[StreamEnd, ArmAct, float, float]:
         """A rate act after content reached the client (SPEC B6): the alternative continues
         the delivered text and its continuation is spliced into the same stream. If it
-        cannot start, the slow stream is kept (never cut for slowness alone)."""
+        cannot start, the slow stream is kept (never cut for slowness alone). Returns the
+        end, what was done, and the final arm's start and time to first content."""
         act = end.moved
         assert act is not None
         assert act.alternative is not None
@@ -423,35 +460,31 @@ class Dispatcher:
             self.metrics.acts.labels(chat.role.name, act.reason.value, "kept").inc()
             end = await resume_stream(end)
             end.attempt = attempt
-            return end
+            return end, ArmAct.KEPT, started, ttft
         messages = [*chat.body.get("messages", []), {"role": "assistant", "content": delivered}]
         continuation = replace(chat, body={**chat.body, "messages": messages})
-        decision.sent(
-            attempt.provider.name,
-            attempt.model.name,
-            slow,
-            f"moved ({act.reason.value}) after {act.tokens} tokens: {act.detail}",
-        )
-        started = self.now()
+        moved_at = self.now()
+        onward_started = moved_at
         try:
             opened = await open_stream(continuation, onward, ctx, chat.role.patience_seconds)
         except UpstreamFailure as failure:
-            self._record_failure(failure, started)
-            decision.sent(
-                target.provider,
-                target.model,
-                target.machine,
-                f"continuation failed: {failure.detail}",
-            )
+            self._record_failure(failure, onward_started)
+            decision.arm(self._failed_arm(failure, onward_started, ArmAct.CONTINUED))
             self.metrics.acts.labels(chat.role.name, act.reason.value, "kept").inc()
             end = await resume_stream(end)
             end.attempt = attempt
-            return end
+            return end, ArmAct.KEPT, started, ttft
+        decision.arm(
+            Arm(attempt.provider.name, attempt.model.name, slow, ArmResult.MOVED, 200,
+                moved_at - started, ttft, ArmAct.CONTINUED,
+                f"moved ({act.reason.value}) after {act.tokens} tokens: {act.detail}")
+        )  # fmt: skip
         self.metrics.acts.labels(chat.role.name, act.reason.value, "continued").inc()
         end = await continue_stream(end, opened)
-        self._teach(onward, opened.served.machine, ttft=opened.first_at - started, gaps=end.gaps)
+        onward_ttft = opened.first_at - onward_started
+        self._teach(onward, opened.served.machine, ttft=onward_ttft, gaps=end.gaps)
         end.attempt = onward
-        return end
+        return end, ArmAct.CONTINUED, onward_started, onward_ttft
 
     def _teach(
         self,
@@ -522,6 +555,22 @@ class Dispatcher:
             )
         )
 
+    def _failed_arm(
+        self, failure: UpstreamFailure, started: float, act: ArmAct | None = None
+    ) -> Arm:
+        attempt = failure.attempt
+        return Arm(
+            attempt.provider.name,
+            attempt.model.name,
+            failure.machine or attempt.single_machine,
+            failure_result(failure),
+            failure.status,
+            self.now() - started,
+            None,
+            act,
+            failure.detail,
+        )
+
     def _record_failure(self, failure: UpstreamFailure, started: float) -> None:
         attempt = failure.attempt
         provider, model = attempt.provider.name, attempt.model.name
@@ -575,18 +624,40 @@ class Dispatcher:
         for listener in self.listeners:
             listener(transition)
 
-    def _served(self, decision: Decision, attempt: Attempt, answer: Answer, result: str) -> None:
-        decision.sent(attempt.provider.name, attempt.model.name, answer.served.machine, result)
+    def _served(
+        self,
+        decision: Decision,
+        chat: ChatRequest,
+        attempt: Attempt,
+        answer: Answer,
+        verdict: Verdict | None,
+        started: float,
+        *,
+        ttft: float | None = None,
+        act: ArmAct | None = None,
+        broke: str | None = None,
+    ) -> None:
+        """Note the arm that reached the client and what the request got from it."""
+        provider, model = attempt.provider.name, attempt.model.name
         machine = answer.served.machine or attempt.single_machine
-        if machine is not None and result == "answered":
+        seconds = self.now() - started
+        result, detail = _served_result(chat, answer, seconds, broke)
+        decision.arm(Arm(provider, model, machine, result, 200, seconds, ttft, act, detail))
+        if machine is not None and broke is None:
             # Affinity (SPEC B3): the machine that answered leads the role's next order.
-            self.chooser.answered(
-                decision.role, MachineKey(attempt.provider.name, attempt.model.name, machine)
-            )
-        decision.served_provider = attempt.provider.name
-        decision.served_model = answer.served.model
+            self.chooser.answered(decision.role, MachineKey(provider, model, machine))
+        decision.served_provider = provider
+        # The configured model name: bounded label values, and the key scores are kept by.
+        decision.served_model = model
         decision.served_machine = answer.served.machine
-        decision.outcome = "answered" if result == "answered" else decision.outcome
+        decision.finish_reason = answer.finish_reason
+        decision.verdict = verdict.kind.value if verdict is not None else None
+        decision.tokens_in = answer.prompt_tokens
+        decision.tokens_out = answer.completion_tokens
+        if answer.completion_tokens is None and chat.stream:
+            decision.tokens_out = answer.content_deltas
+            decision.tokens_estimated = True
+        decision.cost_usd = _cost(attempt, machine, decision.tokens_in, decision.tokens_out)
 
     async def _backoff(self, failures: int, deadline: float) -> None:
         """Jittered exponential pause between attempts: no upstream is hammered."""
@@ -618,7 +689,7 @@ class Dispatcher:
         decision: Decision,
     ) -> ProxyError:
         role = chat.role.name
-        decision.outcome = "failed"
+        decision.outcome = OutcomeKind.FAILED
         if not candidates:
             return ProxyError(
                 503,
@@ -657,6 +728,62 @@ class Dispatcher:
             error_type="upstream_error",
             code="upstream_unavailable" if failures else "all_candidates_excluded",
         )
+
+
+def failure_result(failure: UpstreamFailure) -> ArmResult:
+    """What an attempt that produced nothing usable says about its machine (SPEC C1)."""
+    if failure.verdict is not None:
+        # Empty on 200 is a hot-path observation; a mangled encoding is the breaker's.
+        if failure.verdict.kind is VerdictKind.MALFORMED:
+            return ArmResult.EMPTY_SUCCESS
+        return ArmResult.DEGRADED
+    if failure.request_fault is not None:
+        return ArmResult.REQUEST_FAULT
+    if failure.status is not None and failure.transport is None:
+        if failure.status == 429:
+            return ArmResult.RATE_LIMITED
+        if failure.status in (401, 402, 403):
+            return ArmResult.UNAUTHORIZED
+        return ArmResult.SERVER_ERROR
+    if failure.unparsable:
+        return ArmResult.PARSE_FAILURE
+    return _TRANSPORT_RESULTS[failure.transport or TransportFault.CONNECTION_FAILED]
+
+
+_TRANSPORT_RESULTS = {
+    TransportFault.CONNECTION_FAILED: ArmResult.REFUSED,
+    TransportFault.TIMEOUT: ArmResult.TIMEOUT,
+    TransportFault.BROKEN_STREAM: ArmResult.BROKEN_STREAM,
+    TransportFault.STREAM_ERROR: ArmResult.SERVER_ERROR,
+}
+
+
+def _served_result(
+    chat: ChatRequest, answer: Answer, seconds: float, broke: str | None
+) -> tuple[ArmResult, str]:
+    """The served arm's result: broken after content, length-capped by the upstream (not
+    by the caller's own max_tokens), late past the role's patience, or ok. A verdict that
+    did not steer (it let the answer through) is on the outcome record, not in this."""
+    if broke is not None:
+        return ArmResult.BROKEN_STREAM, broke
+    if answer.finish_reason == "length" and not chat.client_capped(answer.finish_reason):
+        return ArmResult.LENGTH_CAPPED, "answered, cut at the upstream's output limit"
+    patience = chat.role.patience_seconds
+    if seconds > patience:
+        return ArmResult.LATE, f"answered in {seconds:.1f} s, past the patience of {patience:g} s"
+    return ArmResult.OK, "answered"
+
+
+def _cost(
+    attempt: Attempt, machine: str | None, tokens_in: int | None, tokens_out: int | None
+) -> float | None:
+    """USD from the machine's published prices; None when a price or a count is missing."""
+    sheet = next((m for m in attempt.model.machines if m.name == machine), None)
+    if sheet is None or tokens_in is None or tokens_out is None:
+        return None
+    if sheet.price_input_per_mtok is None or sheet.price_output_per_mtok is None:
+        return None
+    return (tokens_in * sheet.price_input_per_mtok + tokens_out * sheet.price_output_per_mtok) / 1e6
 
 
 def _machine(attempt: Attempt, answer: Answer) -> str | None:

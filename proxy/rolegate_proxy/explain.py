@@ -14,7 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from .decisions import Decision
+from .chat_request import parse_body
+from .errors import ProxyError
+from .feedback import parse_judgment
+from .score import ScoreView
 
 if TYPE_CHECKING:
     from .app import ProxyState
@@ -48,42 +51,75 @@ def _authorized(request: web.Request) -> web.Response | None:
     )
 
 
-def _decision(decision: Decision) -> dict[str, Any]:
-    return {
-        "request_id": decision.request_id,
-        "role": decision.role,
-        "ruling": decision.ruling,
-        "outcome": decision.outcome,
-        "attempts": decision.attempts,
-        "served": {
-            "provider": decision.served_provider,
-            "model": decision.served_model,
-            "machine": decision.served_machine,
-        },
-        "candidates": [
-            {
-                "provider": note.provider,
-                "model": note.model,
-                "machine": note.machine,
-                "action": note.action.value,
-                "reason": note.reason,
-            }
-            for note in decision.notes
-        ],
-    }
-
-
 async def decisions(request: web.Request) -> web.Response:
     if (denied := _authorized(request)) is not None:
         return denied
-    role = request.query.get("role")
-    request_id = request.query.get("request_id")
-    found = [
-        _decision(d)
-        for d in _state(request).decisions.recent()
-        if (role is None or d.role == role) and (request_id is None or d.request_id == request_id)
-    ]
-    return web.json_response({"decisions": found})
+    found = _state(request).decisions.recent(
+        role=request.query.get("role"), request_id=request.query.get("request_id")
+    )
+    return web.json_response({"decisions": [outcome.as_json() for outcome in found]})
+
+
+async def feedback(request: web.Request) -> web.Response:
+    """`POST /v1/feedback`: one evaluator's judgment of a past request (see feedback.py)."""
+    proxy = _state(request)
+    if not proxy.settings.admin_token:
+        return ProxyError(
+            403,
+            "Feedback is disabled: a judgment moves routing, so it needs the proxy's admin "
+            "token. Start the proxy with --admin-token-file to enable /v1/feedback.",
+            error_type="permission_error",
+            code="feedback_disabled",
+        ).response()
+    if (denied := _authorized(request)) is not None:
+        return denied
+    try:
+        body = parse_body(await request.read())
+        judgment = parse_judgment(body)
+        served = proxy.served.lookup(judgment.request_id)
+        if judgment.evaluator in served.judged_by:
+            raise ProxyError(
+                409,
+                f"Evaluator {judgment.evaluator!r} has already judged request "
+                f"{judgment.request_id!r}; each evaluator judges a request once.",
+                code="already_judged",
+                param="evaluator",
+            )
+        dispatcher = proxy.dispatcher
+        dispatcher.scores.judge(
+            served.key,
+            judgment.score,
+            scale=judgment.scale,
+            evaluator=judgment.evaluator,
+            now=dispatcher.now(),
+        )
+    except ProxyError as error:
+        return error.response()
+    served.judged_by.add(judgment.evaluator)
+    proxy.metrics.feedback.labels(judgment.evaluator).inc()
+    view = dispatcher.scores.semantic(served.key)
+    return web.json_response(
+        {
+            "request_id": judgment.request_id,
+            "provider": served.key.provider,
+            "model": served.key.model,
+            "machine": served.key.machine,
+            "semantic": _view(view),
+        },
+        status=202,
+    )
+
+
+def _view(view: ScoreView | None) -> dict[str, Any] | None:
+    if view is None:
+        return None
+    return {
+        "score": view.score,
+        "observed": view.observed,
+        "n": view.n,
+        "confidence": view.confidence,
+        "neutral": view.neutral,
+    }
 
 
 async def state(request: web.Request) -> web.Response:
@@ -119,6 +155,30 @@ async def state(request: web.Request) -> web.Response:
         }
         for s in dispatcher.breakers.snapshot(now, include_closed=False)
     ]
+    scores = [
+        {
+            "provider": row.key.provider,
+            "model": row.key.model,
+            "machine": row.key.machine,
+            "operational": _view(row.operational),
+            "semantic": _view(row.semantic),
+            "observations": {kind.value: count for kind, count in row.kinds.items()},
+            "evaluators": dict(row.evaluators),
+        }
+        for row in dispatcher.scores.rows()
+    ]
+    channel = proxy.outcomes
     return web.json_response(
-        {"config_hash": proxy.config.hash, "beliefs": beliefs, "breakers": breakers}
+        {
+            "config_hash": proxy.config.hash,
+            "scores": scores,
+            "beliefs": beliefs,
+            "breakers": breakers,
+            "outcomes": {
+                "emitted": channel.emitted,
+                "dropped": channel.dropped,
+                "buffered": len(channel),
+                "capacity": channel.capacity,
+            },
+        }
     )

@@ -2,21 +2,73 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from .exclusions import BreakerState, State, Transition
+from .outcomes import Outcome
+from .score import ScoreRow
 from .verdicts import Verdict, VerdictKind
+
+LATENCY_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TTFT_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
 class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # Request-level series are fed by the outcome channel (a consumer, off the
+        # request path); `rolegate_outcomes_dropped_total` says how many it lost.
         self.requests = Counter(
             "rolegate_requests",
-            "Client requests by role and HTTP status answered.",
-            ["role", "status"],
+            "Finished client requests by role, HTTP status answered and outcome (answered, "
+            "incomplete, failed, rejected, cancelled).",
+            ["role", "status", "outcome"],
+            registry=self.registry,
+        )
+        self.arms = Counter(
+            "rolegate_arms",
+            "Upstream attempts by role, provider, model, machine and result (ok, late, "
+            "server_error, timeout, rate_limited, cancelled, ...).",
+            ["role", "provider", "model", "machine", "result"],
+            registry=self.registry,
+        )
+        self.served_latency = Histogram(
+            "rolegate_served_seconds",
+            "Time from a request's arrival to its last byte, by role and the machine that "
+            "served it.",
+            ["role", "provider", "model", "machine"],
+            registry=self.registry,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.ttft = Histogram(
+            "rolegate_time_to_first_token_seconds",
+            "Time from a request's arrival to the first content the client received, by role "
+            "and serving machine.",
+            ["role", "provider", "model", "machine"],
+            registry=self.registry,
+            buckets=TTFT_BUCKETS,
+        )
+        self.tokens = Counter(
+            "rolegate_tokens",
+            "Tokens by role, serving provider and model, and direction (in, out).",
+            ["role", "provider", "model", "direction"],
+            registry=self.registry,
+        )
+        self.cost = Counter(
+            "rolegate_cost_usd",
+            "Cost in USD from the machines' published prices, by role, provider and model.",
+            ["role", "provider", "model"],
+            registry=self.registry,
+        )
+        self.feedback = Counter(
+            "rolegate_feedback",
+            "Judgments accepted on /v1/feedback, by evaluator.",
+            ["evaluator"],
             registry=self.registry,
         )
         self.attempt_failures = Counter(
@@ -42,7 +94,7 @@ class ProxyMetrics:
             "Time from receiving a client request to its last byte, by role.",
             ["role"],
             registry=self.registry,
-            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            buckets=LATENCY_BUCKETS,
         )
         self.config_hash = Gauge(
             "rolegate_config_info",
@@ -100,6 +152,42 @@ class ProxyMetrics:
             registry=self.registry,
         )
 
+    def watch_counters(self, counters: Mapping[str, tuple[str, Callable[[], float]]]) -> None:
+        """Counters kept by their owners (the outcome channel, the exporter), read at
+        scrape time: exact even when the channel dropped records. name -> (help, read)."""
+        self.registry.register(_ReadCounters(counters))
+
+    def watch_scores(self, rows: Callable[[], Iterable[ScoreRow]]) -> None:
+        """Score gauges read from the scoreboard at scrape time (nothing per request)."""
+        self.registry.register(_ScoreGauges(rows))
+
+    def observe_outcomes(self, batch: Sequence[Outcome]) -> None:
+        """The metrics consumer of the outcome channel."""
+        for outcome in batch:
+            role = outcome.role or "-"
+            self.requests.labels(role, str(outcome.status), outcome.outcome.value).inc()
+            self.latency.labels(role).observe(outcome.latency_seconds)
+            for arm in outcome.arms:
+                self.arms.labels(
+                    role, arm.provider, arm.model, arm.machine or "", arm.result.value
+                ).inc()
+            if outcome.provider is None or outcome.model is None:
+                continue
+            served = (role, outcome.provider, outcome.model, outcome.machine or "")
+            self.served_latency.labels(*served).observe(outcome.latency_seconds)
+            if outcome.ttft_seconds is not None:
+                self.ttft.labels(*served).observe(outcome.ttft_seconds)
+            if outcome.tokens_in is not None:
+                self.tokens.labels(role, outcome.provider, outcome.model, "in").inc(
+                    outcome.tokens_in
+                )
+            if outcome.tokens_out is not None:
+                self.tokens.labels(role, outcome.provider, outcome.model, "out").inc(
+                    outcome.tokens_out
+                )
+            if outcome.cost_usd is not None:
+                self.cost.labels(role, outcome.provider, outcome.model).inc(outcome.cost_usd)
+
     def on_transition(self, transition: Transition) -> None:
         self.trips.labels(
             transition.key.provider,
@@ -131,3 +219,54 @@ class ProxyMetrics:
                 state.cause.value,
                 state.state.value,
             ).set(1)
+
+
+class _ReadCounters(Collector):
+    def __init__(self, counters: Mapping[str, tuple[str, Callable[[], float]]]) -> None:
+        self._counters = dict(counters)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, (text, read) in self._counters.items():
+            yield CounterMetricFamily(name, text, value=read())
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        for name, (text, _read) in self._counters.items():
+            yield CounterMetricFamily(name, text)
+
+
+_SCORE_LABELS: Final = ["provider", "model", "machine"]
+
+
+class _ScoreGauges(Collector):
+    def __init__(self, rows: Callable[[], Iterable[ScoreRow]]) -> None:
+        self._rows = rows
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        operational = GaugeMetricFamily(
+            "rolegate_operational_score",
+            "Shrunk operational score per machine and model, 0..1 (0.5: no evidence).",
+            labels=_SCORE_LABELS,
+        )
+        observations = GaugeMetricFamily(
+            "rolegate_operational_score_observations",
+            "Observations behind the operational score per machine and model.",
+            labels=_SCORE_LABELS,
+        )
+        semantic = GaugeMetricFamily(
+            "rolegate_semantic_score",
+            "Shrunk semantic score per machine and model from evaluators' feedback, 0..1; "
+            "absent until an evaluator has reported.",
+            labels=_SCORE_LABELS,
+        )
+        for row in self._rows():
+            labels = [row.key.provider, row.key.model, row.key.machine]
+            operational.add_metric(labels, row.operational.score)
+            observations.add_metric(labels, row.operational.n)
+            if row.semantic is not None:
+                semantic.add_metric(labels, row.semantic.score)
+        yield operational
+        yield observations
+        yield semantic
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())

@@ -85,6 +85,11 @@ class Answer:
     text: str
     finish_reason: str | None
     has_tool_calls: bool
+    # The upstream's `usage`, when it sent one (counts only, for the outcome record).
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    # Content deltas relayed: the token estimate when a stream carries no usage.
+    content_deltas: int = 0
 
 
 @dataclass(slots=True)
@@ -118,6 +123,7 @@ async def complete_once(
             attempt,
             "answered 200 with a body that is not UTF-8 JSON",
             transport=TransportFault.BROKEN_STREAM,
+            unparsable=True,
         ) from None
     if not isinstance(payload, dict) or not isinstance(payload.get("choices"), list):
         detail = "answered 200 without `choices`"
@@ -136,6 +142,8 @@ async def complete_once(
         text=content if isinstance(content := message.get("content"), str) else "",
         finish_reason=_first_finish_reason(payload),
         has_tool_calls=bool(message.get("tool_calls")),
+        prompt_tokens=_usage_count(payload, "prompt_tokens"),
+        completion_tokens=_usage_count(payload, "completion_tokens"),
     )
     response = web.Response(
         body=raw,
@@ -274,6 +282,9 @@ def _end(response: web.StreamResponse, opened: OpenStream, state: _Forwarding) -
         text="".join(state.text),
         finish_reason=state.finish_reason,
         has_tool_calls=state.tool_calls,
+        prompt_tokens=state.prompt_tokens,
+        completion_tokens=state.completion_tokens,
+        content_deltas=len(state.text),
     )
     end = StreamEnd(response, answer, state.fault, state.problem or "", state.gaps)
     if state.moved is not None:
@@ -431,6 +442,7 @@ class _Forwarding:
     whether it finished, and how it ended."""
 
     __slots__ = (
+        "completion_tokens",
         "done",
         "fault",
         "finish_reason",
@@ -438,6 +450,7 @@ class _Forwarding:
         "last_at",
         "moved",
         "problem",
+        "prompt_tokens",
         "text",
         "tool_calls",
         "watch",
@@ -454,6 +467,8 @@ class _Forwarding:
         self.fault: TransportFault | None = None
         self.text: list[str] = []
         self.tool_calls = False
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
 
     def take(self, items: list[Event | Chunk]) -> bytes:
         """The bytes to send for one read's events: one write per read, not per event,
@@ -488,6 +503,9 @@ class _Forwarding:
         return bytes(out)
 
     def _note(self, payload: dict[str, Any]) -> None:
+        if "usage" in payload:
+            self.prompt_tokens = _usage_count(payload, "prompt_tokens")
+            self.completion_tokens = _usage_count(payload, "completion_tokens")
         for choice in payload.get("choices") or ():
             if not isinstance(choice, dict):
                 continue
@@ -586,6 +604,12 @@ def _first_message(payload: dict[str, Any]) -> dict[str, Any]:
     first = choices[0] if choices and isinstance(choices[0], dict) else {}
     message = first.get("message")
     return message if isinstance(message, dict) else {}
+
+
+def _usage_count(payload: dict[str, Any], name: str) -> int | None:
+    usage = payload.get("usage")
+    count = usage.get(name) if isinstance(usage, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
 
 
 def _first_finish_reason(payload: dict[str, Any]) -> str | None:

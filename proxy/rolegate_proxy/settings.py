@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .credentials import DEFAULT_SECRETS_DIR
+from .outcomes import DEFAULT_CAPACITY
 
 
 @dataclass(frozen=True)
@@ -21,5 +22,15 @@ class ProxySettings:
     # Breaker reports on ProviderPolicy status are re-sent at least this often (in a
     # cluster); the operator expires a pod's report after three missed heartbeats.
     status_heartbeat_seconds: float = 30.0
-    # Required as a bearer token by the explanation endpoints when set.
+    # Required as a bearer token by the explanation endpoints when set; /v1/feedback is
+    # enabled only with one.
     admin_token: str | None = None
+    # The outcome channel: its ring buffer, how long the drainer lets records gather
+    # before handing a batch to the consumers (0: on the loop's next turn), and the
+    # JSON-lines export target (a path, `-` for stdout, None: off).
+    outcome_buffer: int = DEFAULT_CAPACITY
+    outcome_batch_seconds: float = 0.0
+    outcome_export: str | None = None
+    # The operational score's shrinkage N and smoothing half-life (in observations).
+    score_full_confidence: int = 50
+    score_half_life: float = 35.0

@@ -42,6 +42,8 @@ class UpstreamFailure(Exception):
     transport: TransportFault | None = None
     # A structural verdict that made a 200 answer unusable (empty, mangled).
     verdict: Verdict | None = None
+    # The 200 answer could not be parsed (not UTF-8 JSON).
+    unparsable: bool = False
 
     @property
     def request_fault(self) -> RequestFault | None:

@@ -27,11 +27,10 @@ from rolegate_proxy.breaker import Breakers, Outcome
 from rolegate_proxy.chooser import (
     Chooser,
     Fate,
-    MachineFate,
-    by_expected_time,
 )
 from rolegate_proxy.exclusions import Exclusion
 from rolegate_proxy.routing import Candidate, plan_candidates
+from rolegate_proxy.score import ObservationKind
 
 AGG, DIRECT = "openrouter", "localvllm"
 NEMO, CODER = "mistralai/mistral-nemo", "qwen/qwen3-coder"
@@ -415,16 +414,70 @@ def test_the_plan_follows_the_roles_order_and_its_frontier_is_the_admitted() -> 
     assert "blank=admitted(unknown)" in described
 
 
-def test_the_rank_key_is_a_seam_for_a_score() -> None:
-    config, ledger, _ = setup(provider(AGG, {CODER: CODERS}))
+def _scored(chooser: Chooser, machine: str, *, ok: int, failed: int) -> None:
+    for i in range(ok + failed):
+        kind = ObservationKind.OK if i < ok else ObservationKind.SERVER_ERROR
+        chooser.scores.observe(MachineKey(AGG, CODER, machine), kind, float(i))
 
-    def by_name_backwards(fate: MachineFate) -> float:
-        return -float(ord(fate.machine[0]))
 
-    chooser = Chooser(ledger, rank_key=by_name_backwards)
+def test_the_operational_score_orders_the_admitted_and_never_refuses() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    _scored(chooser, "fast", ok=30, failed=30)
+    _scored(chooser, "steady", ok=60, failed=0)
     choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    # Quality first: steady (1.0) leads fast (0.5), which is still admitted and sent.
     assert choice.admitted == ("steady", "fast")
-    assert by_expected_time(choice.fates[-1]) > 60.0
+    assert choice.routing is not None
+    assert choice.routing["order"] == ["steady", "fast"]
+    fast = choice.fate("fast")
+    assert fast is not None
+    assert "behind the best" in fast.detail
+
+
+def test_a_good_score_never_reopens_a_hard_exclusion() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    _scored(chooser, "fast", ok=1000, failed=0)
+    breaker = breakers()
+    breaker.record(Outcome.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), breaker.exclusion, 1.0)
+    assert choice.admitted == ("steady",)
+    assert choice.routing is not None
+    assert "fast" in choice.routing["ignore"]
+
+
+def test_a_pinned_machine_out_of_the_top_quality_tier_loses_the_pin() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    chooser.answered("agent", MachineKey(AGG, CODER, "steady"))
+    _scored(chooser, "steady", ok=40, failed=20)
+    _scored(chooser, "fast", ok=60, failed=0)
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    assert choice.pinned is None
+    assert choice.admitted == ("fast", "steady")
+    assert chooser.pinned("agent") is None
+
+
+def test_providers_of_the_same_model_are_ranked_by_quality_within_the_roles_order() -> None:
+    direct = provider(DIRECT, {CODER: ((DIRECT, 0.4, 80.0),)}, dialect=Dialect.OPENAI)
+    other = provider("backup", {CODER: (("backup", 0.4, 80.0),), NEMO: (("backup", 0.4, 80.0),)},
+                     dialect=Dialect.OPENAI)  # fmt: skip
+    config, _, chooser = setup(direct, other)
+    agent = role(models=(CODER, NEMO))
+    candidates = plan_candidates(agent, config)
+    names = [(c.provider.name, c.model.name) for c in candidates]
+    assert names == [(DIRECT, CODER), ("backup", CODER), ("backup", NEMO)]
+    for i in range(60):
+        chooser.scores.observe(
+            MachineKey(DIRECT, CODER, DIRECT),
+            ObservationKind.OK if i % 2 else ObservationKind.TIMEOUT,
+            float(i),
+        )
+    ordered = chooser.order_candidates(agent, candidates, nothing_excluded, 0.0)
+    # The failing provider goes after the other for the same model; the model order stays.
+    assert [(c.provider.name, c.model.name) for c in ordered] == [
+        ("backup", CODER),
+        (DIRECT, CODER),
+        ("backup", NEMO),
+    ]
 
 
 # --- properties -------------------------------------------------------------------------------

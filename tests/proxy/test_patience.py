@@ -10,10 +10,13 @@ from typing import Any
 
 import httpx
 
+from rolegate_proxy.outcomes import ArmAct, ArmResult
+
 from ..support import (
     ProxyFactory,
     SimFactory,
     machine_policy,
+    outcomes,
     role,
     role_table,
     sim_records,
@@ -62,8 +65,8 @@ async def test_a_machine_that_cannot_answer_within_patience_is_refused_into_igno
     (record,) = await sim_records(sim.url)
     assert record["provider"]["order"] == ["fast"]
     assert record["provider"]["ignore"] == ["slow"]
-    decision = proxy.state.decisions.recent()[-1]
-    assert any("patience" in note.reason and note.machine == "slow" for note in decision.notes)
+    decision = (await outcomes(proxy, 1))[-1]
+    assert any("patience" in skip.reason and skip.machine == "slow" for skip in decision.skipped)
 
 
 async def test_a_machine_the_aggregator_used_unasked_becomes_a_candidate(
@@ -177,11 +180,15 @@ async def test_a_stream_far_slower_than_the_best_alternative_moves_mid_stream(
     assert onward["machine"] in ("fast1", "fast2")
     assert onward["continued_partial"] is True
     assert onward["provider"]["only"] == [onward["machine"]]
-    decision = proxy.state.decisions.recent()[-1]
-    sent = [note.machine for note in decision.notes if note.action.value == "sent"]
+    decision = (await outcomes(proxy, 1))[-1]
+    sent = [arm.machine for arm in decision.arms]
     assert sent[0] == "slow"
     assert sent[-1] == onward["machine"]  # the log names a second, distinct machine
-    assert any("moved (rate)" in note.reason for note in decision.notes)
+    assert decision.machine == onward["machine"]
+    (moved,) = [arm for arm in decision.arms if arm.result is ArmResult.MOVED]
+    assert moved.act is ArmAct.CONTINUED
+    assert "moved (rate)" in moved.detail
+    assert decision.arms[-1].act is ArmAct.CONTINUED
 
 
 async def test_a_late_first_token_races_a_better_machine_and_both_arms_teach(
@@ -219,8 +226,12 @@ async def test_a_late_first_token_races_a_better_machine_and_both_arms_teach(
     after = await state_belief(proxy.url, "late")
     # The losing arm's wait taught the ledger, as read from the proxy's state endpoint.
     assert after["expected_ttft_seconds"] > before["expected_ttft_seconds"]
-    decision = proxy.state.decisions.recent()[-1]
-    assert any("racing (ttft)" in note.reason for note in decision.notes)
+    decision = (await outcomes(proxy, 1))[-1]
+    (lost,) = [arm for arm in decision.arms if arm.result is ArmResult.CANCELLED]
+    assert lost.act is ArmAct.RACED
+    assert "raced (ttft)" in lost.detail
+    assert decision.arms[-1].machine == "fast"
+    assert decision.arms[-1].act is ArmAct.RACED
     records = await sim_records(sim.url)
     late = [r for r in records if r["machine"] == "late"]
     assert late[0]["outcome"] == "client_disconnected"  # the losing arm was cancelled

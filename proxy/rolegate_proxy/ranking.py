@@ -1,0 +1,161 @@
+"""The order of one request's admitted machines: quality first, cost breaks ties inside the
+role's quality tolerance (SPEC C4, C5).
+
+`rank` only orders. Every entry it is given comes back: hard exclusions (breakers, rate
+limits, auth, quota, patience) are applied by the caller before it, so no score, however
+good, can override one.
+
+* **Quality tiers.** With `best` the highest operational score, an entry is `behind =
+  best - score`, and its tier is `floor(behind / tolerance + u)`, `u` uniform on [0, 1)
+  drawn once per entry. Dithering the tier boundary makes preference fade linearly: an
+  entry behind by a fraction f of the tolerance is in the top tier with probability 1 - f,
+  so its share of first attempts falls gradually as its score drifts down, instead of
+  flipping when it crosses a threshold. The best entry is always tier 0. With a tolerance
+  of 0 the tiers are the distinct scores, best first (no dither).
+* **Semantic demotion.** Inside a tier, an entry whose semantic score is more than the
+  tolerance below the best semantic score in that tier goes after the others. The semantic
+  score can only lower preference, and only inside a tier; an unknown (None) semantic score
+  is never demoted and never promotes: unknown is not a value.
+* **Then** the cheaper expected cost (an unpriced machine never wins a cost tie), then the
+  shorter expected time to a usable answer (unknown last), then the key, so the order is
+  deterministic given the draws.
+
+Pure: the randomness is an argument (`draw`, called exactly once per entry in input
+order).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .beliefs import MachineKey
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """One admitted machine for one request. `score` is its shrunk operational score and
+    `semantic` its shrunk semantic score (both on [0, 1]; semantic None when no evaluator
+    has judged it), `cost` the expected USD of this request on it (None: no published
+    price), `expected_seconds` its expected time to a usable answer (None: unknown)."""
+
+    key: MachineKey
+    score: float
+    semantic: float | None
+    cost: float | None
+    expected_seconds: float | None
+
+    def __post_init__(self) -> None:
+        # A NaN would sort arbitrarily; scores outside [0, 1] are not scores.
+        if not 0.0 <= self.score <= 1.0:
+            raise ValueError(f"{self.key.describe()}: score {self.score} is outside [0, 1]")
+        if self.semantic is not None and not 0.0 <= self.semantic <= 1.0:
+            raise ValueError(
+                f"{self.key.describe()}: semantic score {self.semantic} is outside [0, 1]"
+            )
+        if self.cost is not None and not self.cost >= 0.0:
+            raise ValueError(f"{self.key.describe()}: cost {self.cost} is not >= 0")
+        if self.expected_seconds is not None and not self.expected_seconds >= 0.0:
+            raise ValueError(
+                f"{self.key.describe()}: expected_seconds {self.expected_seconds} is not >= 0"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """An entry and where it was placed: its quality `tier` (0 is the top), how far
+    `behind` the best score it is, and whether its semantic score demoted it in its tier."""
+
+    entry: Entry
+    tier: int
+    behind: float
+    semantic_demoted: bool
+
+    @property
+    def reason(self) -> str:
+        """A short line for the decision log."""
+        standing = "the best" if self.behind == 0 else f"{self.behind:.3f} behind the best"
+        parts = [f"quality tier {self.tier} ({standing})"]
+        if self.semantic_demoted:
+            parts.append("semantic score demoted it")
+        cost = self.entry.cost
+        parts.append("no published price" if cost is None else f"cost ${cost:.6f}")
+        if self.entry.expected_seconds is not None:
+            parts.append(f"expected {self.entry.expected_seconds:.1f} s")
+        return ", ".join(parts)
+
+
+def rank(entries: Sequence[Entry], tolerance: float, draw: Callable[[], float]) -> list[Placed]:
+    """Every entry, best first (see the module docstring). `tolerance` is the role's
+    quality tolerance on the score scale; `draw` returns a uniform value in [0, 1) and is
+    called once per entry in input order, whatever the tolerance (so a seeded stream stays
+    aligned); `lambda: 0.0` gives the undithered ranking."""
+    if not 0.0 <= tolerance < math.inf:
+        raise ValueError(f"tolerance must be finite and >= 0, got {tolerance}")
+    if not entries:
+        return []
+    best = max(entry.score for entry in entries)
+    # With no tolerance, a tier is a distinct score (rank of the score, best first).
+    strict = (
+        {score: i for i, score in enumerate(sorted({e.score for e in entries}, reverse=True))}
+        if tolerance == 0.0
+        else None
+    )
+    tiers: list[int] = []
+    for entry in entries:
+        u = draw()
+        if not 0.0 <= u < 1.0:
+            raise ValueError(f"draw() must return a value in [0, 1), got {u}")
+        if strict is not None:
+            tiers.append(strict[entry.score])
+        else:
+            # A tiny tolerance can make the quotient overflow; such an entry is far behind.
+            q = (best - entry.score) / tolerance + u
+            tiers.append(math.floor(q) if q < sys.maxsize else sys.maxsize)
+
+    best_semantic: dict[int, float] = {}
+    for entry, tier in zip(entries, tiers, strict=True):
+        if entry.semantic is not None:
+            best_semantic[tier] = max(best_semantic.get(tier, 0.0), entry.semantic)
+
+    placed = [
+        Placed(
+            entry,
+            tier,
+            best - entry.score,
+            entry.semantic is not None and best_semantic[tier] - entry.semantic > tolerance,
+        )
+        for entry, tier in zip(entries, tiers, strict=True)
+    ]
+    placed.sort(key=_order)
+    return placed
+
+
+def _order(p: Placed) -> tuple[int, bool, bool, float, bool, float, MachineKey]:
+    cost, seconds = p.entry.cost, p.entry.expected_seconds
+    return (
+        p.tier,
+        p.semantic_demoted,
+        cost is None,
+        0.0 if cost is None else cost,
+        seconds is None,
+        0.0 if seconds is None else seconds,
+        p.entry.key,
+    )
+
+
+def expected_cost(
+    price_in_per_mtok: float | None,
+    price_out_per_mtok: float | None,
+    prompt_tokens: int,
+    output_tokens: int,
+) -> float | None:
+    """Expected USD for a request of `prompt_tokens` in and `output_tokens` out at prices
+    per million tokens; None when either price is unpublished (half a price is not one)."""
+    if price_in_per_mtok is None or price_out_per_mtok is None:
+        return None
+    if prompt_tokens < 0 or output_tokens < 0:
+        raise ValueError(f"token counts must be >= 0, got {prompt_tokens}, {output_tokens}")
+    return (price_in_per_mtok * prompt_tokens + price_out_per_mtok * output_tokens) / 1e6

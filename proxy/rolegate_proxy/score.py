@@ -1,0 +1,358 @@
+"""How good each machine has been (SPEC C1-C3, C9): the shrunk operational score, and the
+semantic score an evaluator reports.
+
+Two scores, never blended:
+
+* **Operational** is only what the hot path sees of an attempt: its status, a refused or
+  reset connection, a rate limit, an answer that would not parse, a broken stream, output
+  cut at the length cap, an empty success, and how long it took. Each attempt is one
+  observation, valued by `observation_value`:
+
+  * `ok`: 1;
+  * `late` (a usable answer, but after the role's patience): patience / elapsed, clamped
+    to [0, 1];
+  * `server_error`, `refused`, `timeout`, `rate_limited`, `parse_failure`,
+    `broken_stream`, `length_capped`, `empty_success`: 0.
+
+  So the operational score is a rate of usable answers in [0, 1], where a late answer
+  counts for part of one: twice as late is worth half, never nothing (it was usable).
+* **Semantic** comes only from an evaluator's judgment (`Scoreboard.judge`), on the scale
+  the evaluator declares, normalized onto [0, 1]. It is None until one reports: no
+  evaluator is not the same as a middling one.
+
+**Smoothing.** `observed` is an exponentially weighted mean: an observation's weight
+halves every `half_life` observations, so a machine that drifts is followed gradually (a
+single failure moves a long record by at most alpha; the price is lag). The mean keeps a
+weighted sum and the total weight, so it is bias-corrected like Adam's moments: the first
+observations average plainly instead of being pulled towards an arbitrary starting value.
+
+**Shrinkage.** `confidence = min(1, n / full_confidence)` and `score = neutral +
+confidence * (observed - neutral)`: a machine with seven answers is mostly the neutral
+point, one with fifty or more is what it has shown. So a lucky newcomer cannot overtake a
+machine with a long, slightly imperfect record, and a cold machine is neither credited nor
+blamed.
+
+Grain: one score per (provider, model, machine), a `MachineKey`. Pure: no I/O, no event
+loop; the clock is an argument. Memory is bounded (`ScoreSettings.max_keys`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+from enum import StrEnum
+
+from .beliefs import MachineKey
+
+
+class ObservationKind(StrEnum):
+    """What one attempt ended as, as far as the hot path can tell."""
+
+    OK = "ok"
+    # A usable answer, but after the role's patience.
+    LATE = "late"
+    # A 5xx, or another upstream status that is not about the request.
+    SERVER_ERROR = "server_error"
+    # The connection was refused, reset or could not be made.
+    REFUSED = "refused"
+    TIMEOUT = "timeout"
+    RATE_LIMITED = "rate_limited"
+    # A success whose body would not parse.
+    PARSE_FAILURE = "parse_failure"
+    BROKEN_STREAM = "broken_stream"
+    # The output stopped at the length cap.
+    LENGTH_CAPPED = "length_capped"
+    # A success with nothing in it.
+    EMPTY_SUCCESS = "empty_success"
+
+
+def observation_value(
+    kind: ObservationKind, *, elapsed: float | None = None, patience: float | None = None
+) -> float:
+    """What one attempt is worth on [0, 1] (the table in the module docstring).
+
+    `elapsed` (seconds to the usable answer) and `patience` (the role's, seconds) are read
+    only for `late`, which needs both; other kinds ignore them, so a caller may pass them
+    always. An answer classed late that in fact arrived within the patience is worth 1.
+    """
+    if kind is ObservationKind.OK:
+        return 1.0
+    if kind is not ObservationKind.LATE:
+        return 0.0
+    if elapsed is None or patience is None:
+        raise ValueError("a late observation needs both elapsed and patience")
+    # A late answer arrived, so it took a finite time; a patience is finite too.
+    if not (0 < elapsed < math.inf and 0 <= patience < math.inf):
+        raise ValueError(
+            f"a late observation needs finite elapsed > 0 and patience >= 0, "
+            f"got elapsed={elapsed}, patience={patience}"
+        )
+    return min(1.0, patience / elapsed)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreSettings:
+    # N: observations after which the score is all evidence and no neutral point.
+    full_confidence: int = 50
+    # Observations after which an observation's weight in `observed` halves.
+    half_life: float = 35.0
+    # Machines tracked at most (least recently observed dropped first).
+    max_keys: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.full_confidence < 1:
+            raise ValueError(
+                f"full_confidence must be at least 1 observation, got {self.full_confidence}"
+            )
+        if not (self.half_life > 0 and math.isfinite(self.half_life)):
+            raise ValueError(
+                f"half_life must be a positive, finite count of observations, got {self.half_life}"
+            )
+        if self.max_keys < 1:
+            raise ValueError(f"max_keys must be at least 1, got {self.max_keys}")
+
+    @property
+    def alpha(self) -> float:
+        """The weight the newest observation gets once the history is long: with it, an
+        observation's weight halves after `half_life` more."""
+        return 1.0 - math.exp2(-1.0 / self.half_life)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreScale:
+    """The scale a score is reported on, [low, high].
+
+    The neutral point is the scale's midpoint, defined here rather than copied as a
+    constant, because it depends on the scale. On a rate of usable answers in [0, 1], 0.5
+    is the point of no evidence: a cold machine is not given 0 for lacking history (it
+    would never be tried), and it cannot overtake a machine with a long good record (it
+    would be tried on luck). An evaluator that declares 1..5 gets 3.
+    """
+
+    low: float = 0.0
+    high: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.low) and math.isfinite(self.high) and self.low < self.high):
+            raise ValueError(f"a scale needs finite low < high, got {self.low}..{self.high}")
+
+    @property
+    def neutral(self) -> float:
+        return (self.low + self.high) / 2.0
+
+    def normalize(self, x: float) -> float:
+        """`x` mapped onto [0, 1]; a value outside the scale is an evaluator's mistake, not
+        something to clamp quietly."""
+        if not self.low <= x <= self.high:
+            raise ValueError(f"{x} is outside the scale {self.low}..{self.high}")
+        return (x - self.low) / (self.high - self.low)
+
+    def denormalize(self, x: float) -> float:
+        """A value on [0, 1] mapped back onto this scale (for showing it as reported)."""
+        return self.low + x * (self.high - self.low)
+
+
+UNIT_SCALE = ScoreScale()
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreView:
+    """A score as read at one moment. `score` is the shrunk score, `observed` the smoothed
+    mean it is shrunk from (None with no observation), `n` the observations behind it,
+    `confidence` min(1, n / N), `neutral` the point it is shrunk towards."""
+
+    score: float
+    observed: float | None
+    n: int
+    confidence: float
+    neutral: float
+
+    def on(self, scale: ScoreScale) -> ScoreView:
+        """This view (taken on [0, 1]) expressed on `scale`, e.g. an evaluator's 1..5."""
+        return ScoreView(
+            scale.denormalize(self.score),
+            None if self.observed is None else scale.denormalize(self.observed),
+            self.n,
+            self.confidence,
+            scale.denormalize(self.neutral),
+        )
+
+
+class RunningScore:
+    """A bias-corrected exponentially weighted mean of observations, and their count.
+
+    `_weighted` and `_weight` both decay by (1 - alpha) per observation, then gain the new
+    value and weight 1; their ratio is the mean. Early on the weights are all near 1 (a
+    plain average); later the total weight approaches 1 / alpha and the newest observation
+    gets alpha of it."""
+
+    __slots__ = ("_keep", "_weight", "_weighted", "last_at", "n")
+
+    def __init__(self, alpha: float) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self._keep = 1.0 - alpha
+        self._weighted = 0.0
+        self._weight = 0.0
+        self.n = 0
+        self.last_at: float | None = None
+
+    def observe(self, value: float, now: float) -> None:
+        # A NaN would poison the mean for good.
+        if not math.isfinite(value):
+            raise ValueError(f"an observation must be finite, got {value}")
+        self._weighted = self._keep * self._weighted + value
+        self._weight = self._keep * self._weight + 1.0
+        self.n += 1
+        self.last_at = now if self.last_at is None else max(self.last_at, now)
+
+    @property
+    def observed(self) -> float | None:
+        return None if self.n == 0 else self._weighted / self._weight
+
+    def view(self, settings: ScoreSettings, neutral: float) -> ScoreView:
+        if self.n == 0:
+            return ScoreView(neutral, None, 0, 0.0, neutral)
+        observed = self._weighted / self._weight
+        if self.n >= settings.full_confidence:
+            return ScoreView(observed, observed, self.n, 1.0, neutral)
+        confidence = self.n / settings.full_confidence
+        score = neutral + confidence * (observed - neutral)
+        return ScoreView(score, observed, self.n, confidence, neutral)
+
+
+@dataclass(frozen=True, slots=True)
+class ScoreRow:
+    """One machine's scores, for the state endpoint and metrics. `kinds` counts its
+    observations by kind (only kinds seen); `semantic_scale` is the scale the latest
+    judgment was reported on; `evaluators` counts judgments per evaluator, named because an
+    evaluator served by the same provider is not independent of it."""
+
+    key: MachineKey
+    operational: ScoreView
+    semantic: ScoreView | None
+    kinds: dict[ObservationKind, int]
+    semantic_scale: ScoreScale | None
+    evaluators: dict[str, int]
+    last_at: float | None
+
+
+class _Semantic:
+    __slots__ = ("evaluators", "running", "scale", "view")
+
+    def __init__(self, alpha: float, scale: ScoreScale, view: ScoreView) -> None:
+        self.running = RunningScore(alpha)
+        self.scale = scale
+        self.evaluators: dict[str, int] = {}
+        self.view = view
+
+
+class _Record:
+    __slots__ = ("kinds", "last_at", "operational", "semantic", "view")
+
+    def __init__(self, alpha: float, view: ScoreView) -> None:
+        self.operational = RunningScore(alpha)
+        self.kinds: dict[ObservationKind, int] = {}
+        self.semantic: _Semantic | None = None
+        self.last_at: float | None = None
+        # The operational view, recomputed on every observation: reads far outnumber
+        # writes (every machine is read on every routing decision).
+        self.view = view
+
+
+class Scoreboard:
+    """Every machine's operational and semantic scores. `observe` files what an attempt
+    ended as (operational only); `judge` files an evaluator's judgment (semantic only);
+    `operational` and `semantic` read. Reading is O(1) and allocates nothing."""
+
+    def __init__(self, settings: ScoreSettings | None = None) -> None:
+        self.settings = settings or ScoreSettings()
+        self._alpha = self.settings.alpha
+        self._records: OrderedDict[MachineKey, _Record] = OrderedDict()
+        self._cold = RunningScore(self._alpha).view(self.settings, UNIT_SCALE.neutral)
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def observe(
+        self,
+        key: MachineKey,
+        kind: ObservationKind,
+        now: float,
+        *,
+        elapsed: float | None = None,
+        patience: float | None = None,
+    ) -> ScoreView:
+        """File one attempt's outcome; returns the operational view afterwards."""
+        value = observation_value(kind, elapsed=elapsed, patience=patience)
+        record = self._record(key, now)
+        record.operational.observe(value, now)
+        record.kinds[kind] = record.kinds.get(kind, 0) + 1
+        record.view = record.operational.view(self.settings, UNIT_SCALE.neutral)
+        return record.view
+
+    def judge(
+        self, key: MachineKey, value: float, *, scale: ScoreScale, evaluator: str, now: float
+    ) -> ScoreView:
+        """File one evaluator's judgment of an answer from `key`, on `scale`; returns the
+        semantic view afterwards (on [0, 1]). A value outside the scale is refused."""
+        normalized = scale.normalize(value)
+        record = self._record(key, now)
+        semantic = record.semantic
+        if semantic is None:
+            semantic = record.semantic = _Semantic(self._alpha, scale, self._cold)
+        semantic.scale = scale
+        semantic.running.observe(normalized, now)
+        semantic.evaluators[evaluator] = semantic.evaluators.get(evaluator, 0) + 1
+        semantic.view = semantic.running.view(self.settings, UNIT_SCALE.neutral)
+        return semantic.view
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def operational(self, key: MachineKey) -> ScoreView:
+        """The operational view of `key`: neutral, with no confidence, when never seen."""
+        record = self._records.get(key)
+        return self._cold if record is None else record.view
+
+    def semantic(self, key: MachineKey) -> ScoreView | None:
+        """The semantic view of `key` on [0, 1], or None until an evaluator judged it."""
+        record = self._records.get(key)
+        semantic = None if record is None else record.semantic
+        return None if semantic is None else semantic.view
+
+    def rows(self) -> list[ScoreRow]:
+        """Every machine held, in key order."""
+        rows = []
+        for key in sorted(self._records):
+            record = self._records[key]
+            semantic = record.semantic
+            rows.append(
+                ScoreRow(
+                    key,
+                    record.view,
+                    None if semantic is None else semantic.view,
+                    {kind: record.kinds[kind] for kind in ObservationKind if kind in record.kinds},
+                    None if semantic is None else semantic.scale,
+                    {} if semantic is None else dict(sorted(semantic.evaluators.items())),
+                    record.last_at,
+                )
+            )
+        return rows
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def _record(self, key: MachineKey, now: float) -> _Record:
+        """The record of `key`, made most recently observed (created if new; the least
+        recently observed is dropped past `max_keys`)."""
+        record = self._records.get(key)
+        if record is None:
+            record = self._records[key] = _Record(self._alpha, self._cold)
+            while len(self._records) > self.settings.max_keys:
+                self._records.popitem(last=False)
+        else:
+            self._records.move_to_end(key)
+        record.last_at = now if record.last_at is None else max(record.last_at, now)
+        return record
