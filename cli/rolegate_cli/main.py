@@ -70,7 +70,54 @@ def _parser() -> argparse.ArgumentParser:
         "--admin-token-file",
         type=Path,
         default=None,
-        help="a file holding the token /v1/rolegate/decisions and /state require",
+        help="a file holding the admin token: /v1/rolegate/decisions and /state require it, "
+        "and /v1/feedback is enabled only with one",
+    )
+    proxy.add_argument(
+        "--outcome-export",
+        metavar="PATH",
+        default=None,
+        help="write one JSON line per finished request (routing metadata only) to PATH, "
+        "or to stdout with '-' (default: off)",
+    )
+    proxy.add_argument(
+        "--outcome-buffer",
+        type=_positive_int,
+        default=10_000,
+        metavar="N",
+        help="outcome records held for the consumers; when full the oldest are dropped "
+        "and counted in rolegate_outcomes_dropped_total (default: 10000)",
+    )
+    proxy.add_argument(
+        "--outcome-batch-seconds",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="S",
+        help="let outcomes gather this long before the consumers take a batch (default: 0, "
+        "on the event loop's next turn)",
+    )
+    proxy.add_argument(
+        "--score-full-confidence",
+        type=_positive_int,
+        default=50,
+        metavar="N",
+        help="observations after which a machine's operational score is fully its own; "
+        "fewer shrink it toward neutral (default: 50)",
+    )
+    proxy.add_argument(
+        "--score-half-life",
+        type=_positive_float,
+        default=35.0,
+        metavar="N",
+        help="observations after which one observation weighs half in the smoothed score "
+        "(default: 35)",
+    )
+    proxy.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed the proxy's randomness (jitter, the quality tiers' dither) for "
+        "reproducible simulations (default: from the OS)",
     )
     proxy.set_defaults(handler=_run_proxy)
 
@@ -146,6 +193,40 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = _float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def _run_proxy(args: argparse.Namespace) -> int:
     from rolegate_policy.config import ProxyConfig
     from rolegate_proxy.configmap_source import ConfigMapSource
@@ -185,6 +266,12 @@ def _run_proxy(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         secrets_dir=args.secrets_dir,
         status_heartbeat_seconds=args.status_heartbeat_seconds,
+        outcome_export=args.outcome_export,
+        outcome_buffer=args.outcome_buffer,
+        outcome_batch_seconds=args.outcome_batch_seconds,
+        score_full_confidence=args.score_full_confidence,
+        score_half_life=args.score_half_life,
+        random_seed=args.seed,
     )
     serve(settings, config, source)
     return 0

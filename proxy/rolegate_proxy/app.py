@@ -60,8 +60,8 @@ class ProxyState:
     consumers: list[Consumer] = field(init=False)
 
     def __post_init__(self) -> None:
-        rng = random.Random()
         settings = self.settings
+        rng = random.Random(settings.random_seed)
         self.dispatcher = Dispatcher(
             breakers=Breakers(self._breaker_settings, rng, degraded_for=self._degraded_settings),
             verdicts=VerdictLog(),

@@ -3,8 +3,10 @@
 Routing metadata only: roles, providers, models, machines, reasons, numbers. Never a
 prompt, a completion or a credential. `GET /v1/rolegate/decisions` serves the recent
 decisions (filter with `?role=` and `?request_id=`); `GET /v1/rolegate/state` serves every
-machine's belief, the breakers and exclusions, and the configuration hash. Both, when the
-proxy is given an admin token (`--admin-token-file`), require it as a bearer token.
+machine's operational and semantic score (with n and confidence), belief, the breakers and
+hard exclusions, the outcome channel's counters and the configuration hash. Both, when the
+proxy is given an admin token (`--admin-token-file`), require it as a bearer token, and
+`POST /v1/feedback` (an evaluator's judgment) is enabled only with one.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from .chat_request import parse_body
+from rolegate_policy.config import ProxyConfig
+
+from .beliefs import MachineKey
 from .errors import ProxyError
 from .feedback import parse_judgment
-from .score import ScoreView
+from .score import Scoreboard, ScoreView
 
 if TYPE_CHECKING:
     from .app import ProxyState
@@ -74,8 +78,7 @@ async def feedback(request: web.Request) -> web.Response:
     if (denied := _authorized(request)) is not None:
         return denied
     try:
-        body = parse_body(await request.read())
-        judgment = parse_judgment(body)
+        judgment = parse_judgment(await request.read())
         served = proxy.served.lookup(judgment.request_id)
         if judgment.evaluator in served.judged_by:
             raise ProxyError(
@@ -108,6 +111,38 @@ async def feedback(request: web.Request) -> web.Response:
         },
         status=202,
     )
+
+
+def _scores(config: ProxyConfig, board: Scoreboard) -> list[dict[str, Any]]:
+    """Every machine of the configuration (cold ones at neutral, n 0) and every machine
+    scored since (an aggregator may have used one it was not told of), sorted."""
+    rows = {row.key: row for row in board.rows()}
+    keys = set(rows)
+    for provider in config.providers:
+        for model in provider.models:
+            keys.update(MachineKey(provider.name, model.name, m.name) for m in model.machines)
+    found = []
+    for key in sorted(keys):
+        row = rows.get(key)
+        found.append(
+            {
+                "provider": key.provider,
+                "model": key.model,
+                "machine": key.machine,
+                "operational": _view(board.operational(key)),
+                "semantic": _view(board.semantic(key)),
+                "semantic_scale": (
+                    [row.semantic_scale.low, row.semantic_scale.high]
+                    if row is not None and row.semantic_scale is not None
+                    else None
+                ),
+                "observations": (
+                    {kind.value: count for kind, count in row.kinds.items()} if row else {}
+                ),
+                "evaluators": dict(row.evaluators) if row is not None else {},
+            }
+        )
+    return found
 
 
 def _view(view: ScoreView | None) -> dict[str, Any] | None:
@@ -155,18 +190,7 @@ async def state(request: web.Request) -> web.Response:
         }
         for s in dispatcher.breakers.snapshot(now, include_closed=False)
     ]
-    scores = [
-        {
-            "provider": row.key.provider,
-            "model": row.key.model,
-            "machine": row.key.machine,
-            "operational": _view(row.operational),
-            "semantic": _view(row.semantic),
-            "observations": {kind.value: count for kind, count in row.kinds.items()},
-            "evaluators": dict(row.evaluators),
-        }
-        for row in dispatcher.scores.rows()
-    ]
+    scores = _scores(proxy.config, dispatcher.scores)
     channel = proxy.outcomes
     return web.json_response(
         {

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import orjson
+
 from .beliefs import MachineKey
 from .errors import ProxyError, bad_request
 from .outcomes import Outcome, OutcomeKind
@@ -90,8 +92,16 @@ class Judgment:
     evaluator: str
 
 
-def parse_judgment(body: Any) -> Judgment:
-    """A judgment from a JSON body, or a 400 that says what to fix."""
+def parse_judgment(raw: bytes) -> Judgment:
+    """A judgment from a request body, or a 400 that says what to fix."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as error:
+        raise bad_request(
+            f"The feedback body is not valid JSON ({error}); send a JSON object such as "
+            '{"request_id": "...", "score": 0.8, "evaluator": "judge-v2"}.',
+            code="invalid_json",
+        ) from None
     if not isinstance(body, dict):
         raise bad_request(
             'The feedback body must be a JSON object such as {"request_id": "...", '

@@ -583,12 +583,17 @@ def _is_error(payload: dict[str, Any]) -> bool:
 
 
 def _served_from(payload: dict[str, Any], attempt: Attempt) -> Served:
-    machine = payload.get("provider")
+    """Who served: a direct provider's own machine (whatever its answer says), or the
+    machine an aggregator's answer names in `provider`."""
+    machine = attempt.single_machine
+    if machine is None:
+        named = payload.get("provider")
+        machine = named if isinstance(named, str) and named else None
     model = payload.get("model")
     return Served(
         provider=attempt.provider.name,
         model=model if isinstance(model, str) and model else attempt.model.name,
-        machine=machine if isinstance(machine, str) and machine else attempt.single_machine,
+        machine=machine,
     )
 
 

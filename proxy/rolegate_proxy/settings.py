@@ -34,3 +34,6 @@ class ProxySettings:
     # The operational score's shrinkage N and smoothing half-life (in observations).
     score_full_confidence: int = 50
     score_half_life: float = 35.0
+    # Seeds the proxy's randomness (backoff jitter, breaker cooldown jitter, the quality
+    # tiers' dither) for reproducible simulations; None: seeded from the OS.
+    random_seed: int | None = None

@@ -30,7 +30,7 @@ from rolegate_proxy.chooser import (
 )
 from rolegate_proxy.exclusions import Exclusion
 from rolegate_proxy.routing import Candidate, plan_candidates
-from rolegate_proxy.score import ObservationKind
+from rolegate_proxy.score import ObservationKind, ScoreScale
 
 AGG, DIRECT = "openrouter", "localvllm"
 NEMO, CODER = "mistralai/mistral-nemo", "qwen/qwen3-coder"
@@ -454,6 +454,26 @@ def test_a_pinned_machine_out_of_the_top_quality_tier_loses_the_pin() -> None:
     assert choice.pinned is None
     assert choice.admitted == ("fast", "steady")
     assert chooser.pinned("agent") is None
+
+
+def test_a_poor_semantic_judgment_demotes_inside_the_tier_and_unknown_moves_nothing() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    for machine in ("fast", "steady"):
+        _scored(chooser, machine, ok=60, failed=0)
+    before = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    assert before.admitted == ("fast", "steady")  # equal quality: the faster leads
+    fast, steady = MachineKey(AGG, CODER, "fast"), MachineKey(AGG, CODER, "steady")
+    for _ in range(30):
+        chooser.scores.judge(fast, 1, scale=ScoreScale(1, 5), evaluator="judge", now=0.0)
+    # Only `fast` is judged: nothing to compare it with, so nothing moves.
+    alone = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    assert alone.admitted == ("fast", "steady")
+    chooser.scores.judge(steady, 5, scale=ScoreScale(1, 5), evaluator="judge", now=0.0)
+    after = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    assert after.admitted == ("steady", "fast")
+    # Demoted, never refused: `fast` is still in the order the aggregator gets.
+    assert after.routing is not None
+    assert after.routing["order"] == ["steady", "fast"]
 
 
 def test_providers_of_the_same_model_are_ranked_by_quality_within_the_roles_order() -> None:
