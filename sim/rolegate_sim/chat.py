@@ -7,6 +7,7 @@ handler being cancelled because the client went away) the record is finished exa
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 import secrets
@@ -114,6 +115,9 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
 async def handle_chat(request: web.Request) -> web.StreamResponse:
     state = request.app[SIM_STATE]
     record = state.open_record()
+    auth = request.headers.get("Authorization", "")
+    if auth.startswith("Bearer "):
+        record.bearer_sha256 = hashlib.sha256(auth[7:].encode()).hexdigest()[:12]
     try:
         return await _serve(request, state, record)
     except asyncio.CancelledError:

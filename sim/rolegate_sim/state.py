@@ -52,6 +52,9 @@ class RequestRecord:
     outcome: Outcome | None = None
     tokens_sent: int = 0
     ended_at: float | None = None
+    # A fingerprint of the bearer token the client sent (first 12 hex digits of its
+    # SHA-256), so a test can check which key arrived without the key being stored.
+    bearer_sha256: str | None = None
 
     def finish(self, outcome: Outcome) -> None:
         # The first outcome wins: after a deliberate cut or reset the handler is cancelled
@@ -75,6 +78,7 @@ class RequestRecord:
             "status": self.status,
             "outcome": "in_progress" if self.outcome is None else str(self.outcome),
             "tokens_sent": self.tokens_sent,
+            "bearer_sha256": self.bearer_sha256,
             "started_at": self.started_at,
             "ended_at": self.ended_at,
         }
