@@ -24,6 +24,7 @@ from typing import Any, TextIO
 import httpx
 import openai
 
+from rolegate_cli.state_table import render_state
 from rolegate_proxy.exclusions import Transition
 from rolegate_proxy.server import RunningProxy
 from rolegate_proxy.server import start as start_proxy
@@ -73,6 +74,7 @@ async def _demo(requests: int, out: TextIO) -> int:
         results = await _workload(proxy.url, requests, out)
         _summary(results, out)
         await _incident(sim.url, proxy, out)
+        await _quality(proxy.url, out)
     finally:
         if proxy is not None:
             await proxy.stop()
@@ -94,7 +96,8 @@ async def _start_proxy(sim: RunningSim, out: TextIO) -> RunningProxy:
     # The example ProviderPolicy names Secret sim-router/apiKey; outside a cluster the
     # proxy reads it from this variable (docs/proxy.md, "API keys").
     os.environ.setdefault("ROLEGATE_SECRET_SIM_ROUTER_APIKEY", "demo-key-not-secret")
-    return await start_proxy(ProxySettings(host="127.0.0.1", port=0), config)
+    settings = ProxySettings(host="127.0.0.1", port=0, admin_token=ADMIN_TOKEN, random_seed=7)
+    return await start_proxy(settings, config)
 
 
 async def _workload(url: str, requests: int, out: TextIO) -> list[Result]:
@@ -150,6 +153,43 @@ async def _one(client: openai.AsyncOpenAI, role: str, prompt: str) -> Result:
 
 
 INCIDENT_MODEL = "deepseek/deepseek-v3"
+# The demo's own admin token: /v1/feedback is enabled only with one.
+ADMIN_TOKEN = "demo-admin-token"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+async def _quality(url: str, out: TextIO) -> None:
+    """An evaluator judges the agent role's answers (the semantic score appears only for
+    the machines that served them), then the state snapshot as a table."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        found = (
+            await client.get(
+                f"{url}/v1/rolegate/decisions", headers=ADMIN, params={"role": "agent"}
+            )
+        ).json()["decisions"]
+        judged = 0
+        for decision in found:
+            if decision["outcome"] != "answered":
+                continue
+            response = await client.post(
+                f"{url}/v1/feedback",
+                headers=ADMIN,
+                json={
+                    "request_id": decision["request_id"],
+                    # A stand-in judge: it prefers shorter answers (the demo has no model).
+                    "score": 4 if (decision["tokens_out"] or 0) < 40 else 3,
+                    "scale": [1, 5],
+                    "evaluator": "demo-judge",
+                },
+            )
+            judged += response.status_code == 202
+        state = (await client.get(f"{url}/v1/rolegate/state", headers=ADMIN)).json()
+    print(
+        "\nstate: operational scores from every outcome (0.5 is neutral: no evidence), "
+        f"semantic from {judged} judgments on /v1/feedback",
+        file=out,
+    )
+    print(render_state(state), file=out)
 
 
 async def _incident(sim_url: str, proxy: RunningProxy, out: TextIO) -> None:
