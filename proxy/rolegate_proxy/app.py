@@ -307,6 +307,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = parse_body(raw)
         role = choose_role(body, request.headers.get(ROLE_HEADER), config)
         base_headers["X-Rolegate-Role"] = role.name
+        # From here on the outcome names the role, even if the request is then refused.
+        decision = Decision(
+            request_id=request_id,
+            role=role.name,
+            ruling=role.effective_ruling.value,
+            started_at=started,
+            stream=body.get("stream") is True,
+            patience_seconds=role.patience_seconds,
+        )
         chat = validate_chat_request(body, role)
         assert state.session is not None, "the upstream session starts with the app"
         ctx = RelayContext(
@@ -315,14 +324,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             metrics=state.metrics,
             request_id=request_id,
             base_headers=base_headers,
-        )
-        decision = Decision(
-            request_id=request_id,
-            role=role.name,
-            ruling=role.effective_ruling.value,
-            started_at=started,
-            stream=chat.stream,
-            patience_seconds=role.patience_seconds,
         )
         response = await state.dispatcher.handle(request, chat, config, ctx, decision)
         status, kind = response.status, OutcomeKind.ANSWERED

@@ -221,7 +221,19 @@ class Dispatcher:
         config: ProxyConfig,
     ) -> web.StreamResponse:
         if not chat.stream:
-            completed = await complete_once(chat, attempt, ctx, budget)
+            try:
+                completed = await complete_once(chat, attempt, ctx, budget)
+            except asyncio.CancelledError:
+                # The client left while the upstream worked: the wait still teaches (B7)
+                # and the attempt is on the record.
+                machine = _presumed_machine(attempt)
+                waited = self.now() - started
+                self._teach(attempt, machine, waited=waited)
+                decision.arm(
+                    Arm(attempt.provider.name, attempt.model.name, machine, ArmResult.CANCELLED,
+                        None, waited, None, None, "the client went away before the answer")
+                )  # fmt: skip
+                raise
             verdict = self._judge(chat, completed.answer, attempt)
             if verdict.steers:
                 raise UpstreamFailure(

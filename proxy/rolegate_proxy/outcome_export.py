@@ -13,7 +13,6 @@ prompt, a completion or a credential.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -45,27 +44,34 @@ class OutcomeExporter:
         self._ready.set()
 
     async def run(self) -> None:
-        """Write queued lines until cancelled; on cancellation, write what is left."""
+        """Write queued lines until cancelled; then finish the write in flight and write
+        what is left, so a shutdown loses nothing that reached the exporter."""
         stream = await asyncio.to_thread(self._open)
+        writing: asyncio.Future[None] | None = None
         try:
             while True:
                 await self._ready.wait()
                 self._ready.clear()
-                await self._flush(stream)
+                while self._lines:
+                    count = len(self._lines)
+                    chunk = b"".join(self._lines)
+                    self._lines.clear()
+                    # Shielded: a cancellation stops the waiting, never the write.
+                    writing = asyncio.ensure_future(asyncio.to_thread(_write, stream, chunk))
+                    await asyncio.shield(writing)
+                    writing = None
+                    self.written += count
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._flush(stream))
+            if writing is not None:
+                await writing
+                self.written += count
+            if self._lines:
+                count = len(self._lines)
+                await asyncio.to_thread(_write, stream, b"".join(self._lines))
+                self._lines.clear()
+                self.written += count
             if stream is not sys.stdout.buffer:
                 stream.close()
-
-    async def _flush(self, stream: IO[bytes]) -> None:
-        if not self._lines:
-            return
-        chunk = b"".join(self._lines)
-        count = len(self._lines)
-        self._lines.clear()
-        await asyncio.to_thread(_write, stream, chunk)
-        self.written += count
 
     def _open(self) -> IO[bytes]:
         if self.target == STDOUT:

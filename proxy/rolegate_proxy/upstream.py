@@ -49,6 +49,11 @@ class UpstreamFailure(Exception):
     def request_fault(self) -> RequestFault | None:
         if self.status is None or not is_request_fault(self.status):
             return None
+        if self.status == 404 and _says(self.body or b"", _UNROUTABLE_MARKERS):
+            # An aggregator with no machine left for this model under the routing it was
+            # sent (OpenRouter's "No endpoints found ..."): about the candidate, not the
+            # request, so the next model may still answer.
+            return None
         return classify_request_fault(self.body or b"")
 
     def describe(self) -> str:
@@ -178,6 +183,16 @@ def classify_request_fault(body: bytes) -> RequestFault:
     if any(marker in text for marker in _FILTER_MARKERS):
         return RequestFault.CONTENT_FILTER
     return RequestFault.INVALID
+
+
+_UNROUTABLE_MARKERS = ("no endpoints found",)
+
+
+def _says(body: bytes, markers: tuple[str, ...]) -> bool:
+    payload = _json_object(body)
+    error = payload.get("error") if payload else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return isinstance(message, str) and any(m in message.lower() for m in markers)
 
 
 def _json_object(body: bytes) -> dict[str, Any] | None:

@@ -9,7 +9,9 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -337,3 +339,31 @@ async def test_a_cancelled_exporter_closes_its_file(tmp_path: Path) -> None:
     # Nothing was offered: an empty file, and no unclosed-file warning (filterwarnings=error).
     assert target.read_bytes() == b""
     assert (exporter.written, exporter.dropped) == (0, 0)
+
+
+async def test_a_batch_being_written_when_the_exporter_stops_is_not_lost(tmp_path: Path) -> None:
+    # One worker thread, held busy: the exporter's write is queued behind it, which is the
+    # moment a shutdown can land on (the write of the last batch not yet done).
+    loop = asyncio.get_running_loop()
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+    target = tmp_path / "outcomes.jsonl"
+    exporter = OutcomeExporter(str(target))
+    task = asyncio.create_task(exporter.run())
+    await _until(target.exists)
+    gate = threading.Event()
+    busy = loop.run_in_executor(None, gate.wait)
+    try:
+        exporter([_outcome("last-batch")])
+        for _ in range(5):
+            await asyncio.sleep(0)  # the writer wakes and hands its write to the pool
+        task.cancel()  # the shutdown lands while the write waits for a thread
+        await asyncio.sleep(0.05)
+    finally:
+        gate.set()
+        await busy
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert task.cancelled()
+    # The write in flight finished before the exporter closed its file.
+    assert (exporter.written, exporter.dropped) == (1, 0)
+    assert [line["request_id"] for line in _lines(target)] == ["last-batch"]
