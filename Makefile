@@ -33,6 +33,8 @@ crds: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/outcome_emit.py
+	$(BIN)/python bench/routing_decision.py
 
 clean:
 	rm -rf $(VENV)

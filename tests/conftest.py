@@ -53,6 +53,9 @@ async def proxy_server() -> AsyncIterator[ProxyFactory]:
     running: list[RunningProxy] = []
 
     async def make(objects: list[dict[str, Any]], **settings: Any) -> RunningProxy:
+        # Exploration (a machine other than the best leading 2 % of decisions) is off
+        # unless a test asks for it: most tests assert which machine leads.
+        settings.setdefault("explore_share", 0.0)
         config = compile_objects(objects)
         proxy = await start_proxy(ProxySettings(host="127.0.0.1", port=0, **settings), config)
         running.append(proxy)

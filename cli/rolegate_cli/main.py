@@ -113,6 +113,14 @@ def _parser() -> argparse.ArgumentParser:
         "(default: 35)",
     )
     proxy.add_argument(
+        "--explore-share",
+        type=_share,
+        default=0.02,
+        metavar="P",
+        help="share of routing decisions in which a machine other than the best leads, so "
+        "a demoted machine stays observed and can win its traffic back (default: 0.02)",
+    )
+    proxy.add_argument(
         "--seed",
         type=int,
         default=None,
@@ -217,6 +225,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _share(text: str) -> float:
+    value = _float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and under 1, got {text}")
+    return value
+
+
 def _float(text: str) -> float:
     try:
         value = float(text)
@@ -272,6 +287,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         score_full_confidence=args.score_full_confidence,
         score_half_life=args.score_half_life,
         random_seed=args.seed,
+        explore_share=args.explore_share,
     )
     serve(settings, config, source)
     return 0

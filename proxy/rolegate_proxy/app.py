@@ -70,6 +70,7 @@ class ProxyState:
             scores=Scoreboard(
                 ScoreSettings(settings.score_full_confidence, settings.score_half_life)
             ),
+            explore=settings.explore_share,
         )
         # The published figures are the ledger's prior (the sheet), reloaded with config.
         self.dispatcher.ledger.load_sheet(self.config)
@@ -207,34 +208,41 @@ async def _key_refresher(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _outcome_drain(app: web.Application) -> AsyncIterator[None]:
-    """The outcome channel's background side: wake on emission, let a batch gather for
-    `outcome_batch_seconds`, hand it to the consumers. The request path only appends."""
+    """The outcome channel's background side: the first emission after a drain schedules
+    the next one (on the loop's next turn, or after `outcome_batch_seconds`), which hands
+    the batch to the consumers. A callback, not a task: no coroutine to resume per
+    request. The request path only appends."""
     state = app[STATE]
-    wake = asyncio.Event()
-    state.outcomes.wake = wake.set
+    loop = asyncio.get_running_loop()
+    batch_seconds = state.settings.outcome_batch_seconds
+    pending: list[asyncio.Handle] = []
 
-    async def drain_forever() -> None:
-        while True:
-            await wake.wait()
-            wake.clear()
-            if state.settings.outcome_batch_seconds > 0:
-                await asyncio.sleep(state.settings.outcome_batch_seconds)
-            state.consume()
+    def drain() -> None:
+        pending.clear()
+        state.consume()
 
-    tasks = [asyncio.create_task(drain_forever(), name="rolegate-outcome-drain")]
+    def wake() -> None:
+        if pending:
+            return
+        if batch_seconds > 0:
+            pending.append(loop.call_later(batch_seconds, drain))
+        else:
+            pending.append(loop.call_soon(drain))
+
+    state.outcomes.wake = wake
+    export = None
     if state.exporter is not None:
-        tasks.append(asyncio.create_task(state.exporter.run(), name="rolegate-outcome-export"))
+        export = asyncio.create_task(state.exporter.run(), name="rolegate-outcome-export")
     yield
     # Shutdown: what is still buffered reaches the consumers (and the export) once more.
-    tasks[0].cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await tasks[0]
-    state.consume()
     state.outcomes.wake = None
-    for task in tasks[1:]:
-        task.cancel()
+    for handle in pending:
+        handle.cancel()
+    drain()
+    if export is not None:
+        export.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await task
+            await export
 
 
 async def _breaker_clock(app: web.Application) -> AsyncIterator[None]:

@@ -35,9 +35,9 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Final
+from typing import Final, NamedTuple
 
 from rolegate_policy.config import ProxyConfig
 
@@ -59,10 +59,10 @@ class Source(StrEnum):
     LEARNED = "learned"
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class MachineKey:
+class MachineKey(NamedTuple):
     """One machine serving one model behind one provider. For a direct (OpenAI-dialect)
-    provider the machine is the model's single machine name."""
+    provider the machine is the model's single machine name. A named tuple: built and
+    hashed for every machine of every routing decision, so it must be cheap."""
 
     provider: str
     model: str
@@ -265,6 +265,7 @@ class MachineBelief:
     gap: LogNormal | None
     sightings: int = 0
     last_seen: float | None = None
+    memo: dict[int, float | None] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def expected_ttft(self) -> float | None:
@@ -282,10 +283,17 @@ class MachineBelief:
 
     def expected_seconds(self, tokens: int) -> float | None:
         """Expected time to a usable answer of `tokens` tokens: TTFT + tokens x gap. None
-        unless both parts are believed."""
-        if self.ttft is None or self.gap is None:
-            return None
-        return self.ttft.mean() + max(tokens, 0) * self.gap.mean()
+        unless both parts are believed. Remembered per token count (beliefs are cached
+        and asked again on every routing decision)."""
+        memo = self.memo
+        if tokens in memo:
+            return memo[tokens]
+        expected = None
+        if self.ttft is not None and self.gap is not None:
+            expected = self.ttft.mean() + max(tokens, 0) * self.gap.mean()
+        if len(memo) < 8:
+            memo[tokens] = expected
+        return expected
 
     def gap_log_pdf(self, gap: float) -> float | None:
         return None if self.gap is None else self.gap.log_pdf(gap)
@@ -295,6 +303,10 @@ class MachineBelief:
 
 
 # --- the ledger -------------------------------------------------------------------------------
+
+_EMPTY: Final[frozenset[str]] = frozenset()
+# How long a cached belief is served (see `Ledger.belief`).
+BELIEF_REFRESH_SECONDS: Final = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +437,8 @@ class Ledger:
         self._sheet: dict[MachineKey, _Sheet] = {}
         self._entries: OrderedDict[MachineKey, _Entry] = OrderedDict()
         self._index: dict[tuple[str, str], set[str]] = {}
+        # (provider, model, machine) -> (when computed, the belief then); see `belief`.
+        self._cache: dict[MachineKey, tuple[float, MachineBelief | None]] = {}
 
     def __len__(self) -> int:
         """Machines with sightings held (bounded by `max_keys`)."""
@@ -463,6 +477,7 @@ class Ledger:
             if key not in sheet and key not in self._entries:
                 self._unindex(key)
         self._sheet = sheet
+        self._cache.clear()
         for key in sheet:
             self._indexed(key)
 
@@ -471,7 +486,21 @@ class Ledger:
     def belief(self, provider: str, model: str, machine: str, now: float) -> MachineBelief | None:
         """The belief about one machine at `now` (forgetting applied), or None when
         nothing was ever published or seen about it."""
-        return self.belief_of(MachineKey(provider, model, machine), now)
+        return self.current(MachineKey(provider, model, machine), now)
+
+    def current(self, key: MachineKey, now: float) -> MachineBelief | None:
+        """`belief` by key. Read for every machine on every routing decision, so it is
+        cached per machine until the machine's next sighting, a new sheet, or
+        BELIEF_REFRESH_SECONDS: forgetting runs on a half-life of minutes, so a second-old
+        posterior differs by well under 0.1 %."""
+        cached = self._cache.get(key)
+        if cached is not None and 0.0 <= now - cached[0] < BELIEF_REFRESH_SECONDS:
+            return cached[1]
+        belief = self.belief_of(key, now)
+        self._cache[key] = (now, belief)
+        if len(self._cache) > 2 * self.settings.max_keys:
+            self._cache.clear()  # bounded: machines no longer asked about fall out
+        return belief
 
     def belief_of(self, key: MachineKey, now: float) -> MachineBelief | None:
         sheet = self._sheet.get(key)
@@ -494,6 +523,10 @@ class Ledger:
             entry.sightings if entry is not None else 0,
             entry.last_seen if entry is not None else None,
         )
+
+    def machine_set(self, provider: str, model: str) -> frozenset[str] | set[str]:
+        """The machines of (provider, model) with a belief, unordered (do not modify)."""
+        return self._index.get((provider, model), _EMPTY)
 
     def machines(self, provider: str, model: str) -> tuple[str, ...]:
         """Every machine of (provider, model) with a belief, sheet or learned, by name."""
@@ -518,6 +551,7 @@ class Ledger:
         key = sighting.key
         if not sighting.teaches:
             return self.belief_of(key, sighting.at)
+        self._cache.pop(key, None)
         settings = self.settings
         now = sighting.at
         entry = self._entry(key)
@@ -571,6 +605,7 @@ class Ledger:
         self._indexed(key)
         while len(self._entries) > self.settings.max_keys:
             victim, _ = self._entries.popitem(last=False)
+            self._cache.pop(victim, None)
             if victim not in self._sheet:
                 self._unindex(victim)
         return entry

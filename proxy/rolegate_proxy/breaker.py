@@ -347,6 +347,9 @@ class Breakers:
         self._entries: OrderedDict[BreakerKey, _Entry] = OrderedDict()
         # Keys with an open breaker or an active hard exclusion, in the order they became so.
         self._active: dict[BreakerKey, None] = {}
+        # The active keys by what they cover, for the read every routing decision makes
+        # for every machine (see `_check`): (provider, model, machine) of each key.
+        self._covering: set[tuple[str, str | None, str | None]] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -466,7 +469,7 @@ class Breakers:
         entry.probe_at = None
         entry.half_open_reported = False
         entry.reset_evidence(now)
-        self._active[entry.key] = None
+        self._mark_active(entry.key)
         return Transition(
             TransitionKind.TRIPPED,
             entry.key,
@@ -486,7 +489,7 @@ class Breakers:
         entry.probe_at = None
         entry.reset_evidence(now)
         if not entry.is_active():
-            self._active.pop(entry.key, None)
+            self._unmark_active(entry.key)
         return Transition(
             TransitionKind.RECOVERED,
             entry.key,
@@ -538,7 +541,7 @@ class Breakers:
         exclusion.until = now + duration
         exclusion.detail = detail
         exclusion.trips += 1
-        self._active[entry.key] = None
+        self._mark_active(entry.key)
         transitions.append(
             Transition(
                 TransitionKind.TRIPPED,
@@ -598,6 +601,15 @@ class Breakers:
 
         A read, changing nothing: a half-open key whose probe slot is free reads as None. To
         send, call `admit`, which takes that slot; a second caller is then refused."""
+        # Asked for every machine of every routing decision: answer at once when no active
+        # key covers the candidate (the same test `_check` starts with).
+        covering = self._covering
+        if not covering or (
+            (provider, None, None) not in covering
+            and (provider, model, None) not in covering
+            and (machine is None or (provider, model, machine) not in covering)
+        ):
+            return None
         return _longest(self._check(provider, model, machine, now)[0])
 
     def admit(
@@ -631,11 +643,29 @@ class Breakers:
             if entry is not None and entry.probe_at == admission.at:
                 entry.probe_at = None
 
+    def _mark_active(self, key: BreakerKey) -> None:
+        self._active[key] = None
+        self._covering.add((key.provider, key.model, key.machine))
+
+    def _unmark_active(self, key: BreakerKey) -> None:
+        self._active.pop(key, None)
+        self._covering.discard((key.provider, key.model, key.machine))
+
     def _check(
         self, provider: str, model: str, machine: str | None, now: float
     ) -> tuple[list[Exclusion], list[_Entry]]:
         refused: list[Exclusion] = []
         half_open: list[_Entry] = []
+        # The common case, on every machine of every routing decision: no active key
+        # covers this candidate. Only active keys (open, half-open or hard-excluded) can
+        # refuse or hold a probe slot, and there are few of them.
+        covering = self._covering
+        if (
+            (provider, None, None) not in covering
+            and (provider, model, None) not in covering
+            and (machine is None or (provider, model, machine) not in covering)
+        ):
+            return refused, half_open
         for key in covering_keys(provider, model, machine):
             entry = self._entries.get(key)
             if entry is None:
@@ -697,7 +727,7 @@ class Breakers:
         for key in list(self._active):
             entry = self._entries.get(key)
             if entry is None:
-                del self._active[key]
+                self._unmark_active(key)
                 continue
             if entry.open and now >= entry.until and not entry.half_open_reported:
                 entry.half_open_reported = True
@@ -719,7 +749,7 @@ class Breakers:
                 if hard.active and hard.until <= now:
                     transitions.append(self._lift(entry, cause, hard, hard.until))
             if not entry.is_active():
-                del self._active[key]
+                self._unmark_active(key)
         return transitions
 
     def snapshot(self, now: float, *, include_closed: bool = True) -> list[BreakerState]:
@@ -835,7 +865,7 @@ class Breakers:
                 next(iter(self._entries)),
             )
             del self._entries[victim]
-            self._active.pop(victim, None)
+            self._unmark_active(victim)
 
 
 def _longest(exclusions: list[Exclusion]) -> Exclusion | None:

@@ -40,15 +40,15 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
-from rolegate_policy.config import CompiledMachine, CompiledRole, Ruling
+from rolegate_policy.config import CompiledMachine, CompiledModel, CompiledRole, Ruling
 
 from .beliefs import Ledger, MachineBelief, MachineKey
 from .exclusions import Exclusion
-from .ranking import Entry, Placed, expected_cost, rank
+from .ranking import Entry, Placed, rank
 from .routing import Candidate, aggregator_routing
 from .score import Scoreboard
 
@@ -73,28 +73,58 @@ class Fate(StrEnum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MachineFate:
     """One machine of a candidate, what became of it and why (for the decision log).
 
     `reason` is one word: for an admitted machine `affinity` (it leads by the pin),
     `believed` or `unknown` (no belief); for a refused one `patience`, `failed` or the
-    exclusion's reason (`UpstreamErrors`, `RateLimited`, ...). `detail` is for a person."""
+    exclusion's reason (`UpstreamErrors`, `RateLimited`, ...). `detail` is for a person.
+
+    Built for every machine of every routing decision, so it is a plain slotted object
+    (its choice owns it) and an admitted machine's `detail` is written only when read."""
 
     machine: str
     fate: Fate
     reason: str
-    detail: str
+    # Why, for a refused machine; None for an admitted one (see `detail`).
+    note: str | None
     expected_seconds: float | None = None
     # Named in the ProviderPolicy (False: known only from sightings).
     on_sheet: bool = True
     continues_partial: bool = False
     exclusion: Exclusion | None = None
     belief: MachineBelief | None = field(default=None, repr=False, compare=False)
+    # The role's figures an admitted machine was measured against.
+    tokens: int = 0
+    patience: float = 0.0
+    # Where the ranking placed an admitted machine (None when it was the only one).
+    placement: Placed | None = field(default=None, compare=False)
+    # It leads this once by exploration rather than by rank.
+    explored: bool = False
 
     @property
     def admitted(self) -> bool:
         return self.fate is Fate.ADMITTED
+
+    @property
+    def detail(self) -> str:
+        if self.note is not None:
+            text = self.note
+        elif self.expected_seconds is not None:
+            text = (
+                f"expected {self.expected_seconds:.1f} s for {self.tokens} tokens, "
+                f"within {self.patience:g} s"
+            )
+        else:
+            text = "no belief yet: admitted, ranked last"
+        if self.placement is not None:
+            text = f"{text}; {self.placement.reason}"
+        if self.reason == AFFINITY:
+            text = f"answered last for this role; {text}"
+        if self.explored:
+            text = f"explored (leads this once, so its score stays current); {text}"
+        return text
 
     @property
     def expected_ttft(self) -> float | None:
@@ -267,12 +297,23 @@ class Chooser:
         *,
         scores: Scoreboard | None = None,
         draw: Callable[[], float] | None = None,
+        explore: float = 0.0,
     ) -> None:
+        if not 0.0 <= explore < 1.0:
+            raise ValueError(f"the exploration share must be in [0, 1), got {explore}")
         self.ledger = ledger
+        # The share of decisions in which a machine other than the best leads (see
+        # `_exploring`); 0 in the pure tests, ProxySettings.explore_share in the proxy.
+        self.explore = explore
         self.scores = scores if scores is not None else Scoreboard()
         # Uniform on [0, 1): the dither of the quality tiers. Tests pass a seeded one.
         self.draw = draw if draw is not None else random.Random().random
         self._pins: dict[str, MachineKey] = {}
+        # id(compiled model) -> (the model, its machines by name, their names in order).
+        self._sheets: dict[
+            int,
+            tuple[CompiledModel, dict[str, CompiledMachine], list[str], dict[str, MachineKey]],
+        ] = {}
 
     # -- affinity -------------------------------------------------------------------------
 
@@ -328,63 +369,63 @@ class Chooser:
         is the request's estimated input, for the expected cost."""
         provider, model = candidate.provider.name, candidate.model.name
         aggregator = candidate.is_aggregator
-        sheet = {machine.name: machine for machine in candidate.model.machines}
+        sheet, sheet_names, keys = self._sheet(candidate)
         if aggregator:
-            names = sorted(set(sheet) | set(self.ledger.machines(provider, model)))
+            learned = self.ledger.machine_set(provider, model)
+            names = sheet_names if learned <= sheet.keys() else sorted(sheet.keys() | learned)
         else:
-            names = [candidate.model.machines[0].name] if candidate.model.machines else []
-        failed = _names(avoid, provider, model)
+            names = sheet_names[:1]
+        failed = _names(avoid, provider, model) if avoid else _NO_NAMES
         tokens = role.expected_output_tokens
         patience = role.patience_seconds
+        belief_of = self.ledger.current
 
+        # The hot loop of routing: every machine of the candidate, every request.
         fates: list[MachineFate] = []
+        admitted: list[MachineFate] = []
+        # Enum members bound once: a class attribute read per machine adds up here.
+        admit, fail, exclude, wait = Fate.ADMITTED, Fate.FAILED, Fate.EXCLUDED, Fate.PATIENCE
         for name in names:
-            belief = self.ledger.belief(provider, model, name, now)
+            key = keys.get(name) or MachineKey(provider, model, name)
+            belief = belief_of(key, now)
             expected = None if belief is None else belief.expected_seconds(tokens)
             compiled = sheet.get(name)
-            common: dict[str, Any] = {
-                "expected_seconds": expected,
-                "on_sheet": compiled is not None,
-                "continues_partial": compiled is not None and compiled.continues_partial_message,
-                "belief": belief,
-            }
+            on_sheet = compiled is not None
+            continues = compiled is not None and compiled.continues_partial_message
             excluded = exclusion(provider, model, name if aggregator else None, now)
             if name in failed:
-                fate = MachineFate(
-                    name, Fate.FAILED, FAILED, "failed earlier in this request", **common
-                )
+                fate = MachineFate(name, fail, FAILED, "failed earlier in this request",
+                                   expected, on_sheet, continues, None, belief)  # fmt: skip
             elif excluded is not None:
-                fate = MachineFate(
-                    name,
-                    Fate.EXCLUDED,
-                    excluded.reason.value,
-                    excluded.describe(),
-                    exclusion=excluded,
-                    **common,
-                )
-            elif (why := _beyond_patience(belief, expected, tokens, patience)) is not None:
-                fate = MachineFate(name, Fate.PATIENCE, PATIENCE, why, **common)
+                fate = MachineFate(name, exclude, excluded.reason.value,
+                                   excluded.describe(), expected, on_sheet, continues, excluded,
+                                   belief)  # fmt: skip
+            elif (expected is None or expected > patience) and (
+                why := _beyond_patience(belief, expected, tokens, patience)
+            ) is not None:
+                fate = MachineFate(name, wait, PATIENCE, why, expected, on_sheet,
+                                   continues, None, belief)  # fmt: skip
             else:
-                known = expected is not None
-                detail = (
-                    f"expected {expected:.1f} s for {tokens} tokens, within {patience:g} s"
-                    if expected is not None
-                    else "no belief yet: admitted, ranked last"
-                )
-                fate = MachineFate(
-                    name, Fate.ADMITTED, "believed" if known else "unknown", detail, **common
-                )
+                fate = MachineFate(name, admit,
+                                   "believed" if expected is not None else "unknown", None,
+                                   expected, on_sheet, continues, None, belief, tokens,
+                                   patience)  # fmt: skip
+                admitted.append(fate)
             fates.append(fate)
 
-        placed = self._rank(role, provider, model, [f for f in fates if f.admitted], sheet,
-                            prompt_tokens)  # fmt: skip
-        admitted = [fate for fate, _ in placed]
+        if len(admitted) > 1:
+            admitted = self._rank(role, provider, model, admitted, sheet, keys, prompt_tokens)
         refused = sorted(
-            (f for f in fates if not f.admitted),
+            (f for f in fates if f.fate is not admit),
             key=lambda f: (_REFUSAL_ORDER[f.fate], by_expected_time(f), f.machine),
         )
-        top = {fate.machine for fate, place in placed if place.tier == 0}
-        pinned = self._apply_pin(role.name, provider, model, admitted, refused, top)
+        pinned = self._apply_pin(role.name, provider, model, admitted, refused)
+        if self._exploring(len(admitted)):
+            index = self._other(len(admitted))
+            explored = admitted.pop(index)
+            explored.explored = True
+            admitted.insert(0, explored)
+            pinned = None
         ruling = Ruling.ONLY if role.effective_ruling is Ruling.ONLY else Ruling.ORDER
         ordered = (*admitted, *refused)
         if not admitted:
@@ -416,47 +457,64 @@ class Chooser:
         model: str,
         admitted: list[MachineFate],
         sheet: dict[str, CompiledMachine],
+        keys: dict[str, MachineKey],
         prompt_tokens: int,
-    ) -> list[tuple[MachineFate, Placed]]:
-        """The admitted machines in rank order, each with its placement (in its detail)."""
-        entries = [
-            self._entry(role, MachineKey(provider, model, fate.machine), fate, sheet, prompt_tokens)
-            for fate in admitted
-        ]
+    ) -> list[MachineFate]:
+        """Two or more admitted machines in rank order, each with its placement (one alone
+        is not ranked, and takes no draw)."""
+        entries = self._entries(role, provider, model, admitted, sheet, keys, prompt_tokens)
         by_machine = {fate.machine: fate for fate in admitted}
         ranked = []
         for place in rank(entries, role.quality_tolerance, self.draw):
             fate = by_machine[place.entry.key.machine]
-            ranked.append((replace(fate, detail=f"{fate.detail}; {place.reason}"), place))
+            fate.placement = place
+            ranked.append(fate)
         return ranked
 
-    def _entry(
+    def _entries(
         self,
         role: CompiledRole,
-        key: MachineKey,
-        fate: MachineFate,
+        provider: str,
+        model: str,
+        fates: Sequence[MachineFate],
         sheet: dict[str, CompiledMachine],
+        keys: dict[str, MachineKey],
         prompt_tokens: int,
-    ) -> Entry:
-        semantic = self.scores.semantic(key)
-        compiled = sheet.get(key.machine)
-        cost = (
-            expected_cost(
-                compiled.price_input_per_mtok,
-                compiled.price_output_per_mtok,
-                prompt_tokens,
-                role.expected_output_tokens,
-            )
-            if compiled is not None
-            else None
-        )
-        return Entry(
-            key,
-            self.scores.operational(key).score,
-            None if semantic is None else semantic.score,
-            cost,
-            fate.expected_seconds,
-        )
+    ) -> list[Entry]:
+        """What the ranking needs of each machine: its scores, expected cost and time.
+        One loop, no call per machine: it runs for every admitted machine of a decision."""
+        scores_of = self.scores.scores
+        out_tokens = role.expected_output_tokens
+        entries = []
+        for fate in fates:
+            key = keys.get(fate.machine) or MachineKey(provider, model, fate.machine)
+            score, semantic = scores_of(key)
+            compiled = sheet.get(fate.machine)
+            cost = None
+            if compiled is not None:
+                price_in = compiled.price_input_per_mtok
+                price_out = compiled.price_output_per_mtok
+                if price_in is not None and price_out is not None:
+                    cost = (prompt_tokens * price_in + out_tokens * price_out) / 1e6
+            entries.append(Entry(key, score, semantic, cost, fate.expected_seconds))
+        return entries
+
+    def _sheet(
+        self, candidate: Candidate
+    ) -> tuple[dict[str, CompiledMachine], list[str], dict[str, MachineKey]]:
+        """The candidate model's machines by name, their names in order and their keys:
+        built once per compiled model (a reload brings new model objects, so new entries)."""
+        compiled = candidate.model
+        found = self._sheets.get(id(compiled))
+        if found is not None and found[0] is compiled:
+            return found[1], found[2], found[3]
+        sheet = {machine.name: machine for machine in compiled.machines}
+        names = sorted(sheet) if candidate.is_aggregator else [m.name for m in compiled.machines]
+        keys = {name: MachineKey(candidate.provider.name, compiled.name, name) for name in sheet}
+        if len(self._sheets) >= MAX_PINS:
+            self._sheets.clear()
+        self._sheets[id(compiled)] = (compiled, sheet, names, keys)
+        return sheet, names, keys
 
     def order_candidates(
         self,
@@ -488,14 +546,28 @@ class Chooser:
                     closed.append(candidate)
                     continue
                 head = choice.fates[0]
-                key = choice.key(head.machine)
-                sheet = {m.name: m for m in candidate.model.machines}
-                entries.append(self._entry(role, key, head, sheet, prompt_tokens))
-                by_key[key] = candidate
-            placed = rank(entries, role.quality_tolerance, self.draw)
-            ordered.extend(by_key[place.entry.key] for place in placed)
+                sheet, _, keys = self._sheet(candidate)
+                (entry,) = self._entries(role, provider_of(candidate), model, [head], sheet,
+                                         keys, prompt_tokens)  # fmt: skip
+                entries.append(entry)
+                by_key[entry.key] = candidate
+            group_order = [by_key[place.entry.key] for place in rank(entries,
+                           role.quality_tolerance, self.draw)]  # fmt: skip
+            if self._exploring(len(group_order)):
+                group_order.insert(0, group_order.pop(self._other(len(group_order))))
+            ordered.extend(group_order)
             ordered.extend(closed)
         return ordered
+
+    def _exploring(self, count: int) -> bool:
+        """Whether this decision explores: with probability `explore`, when there is more
+        than one to choose from (SPEC C4: the score may lower a machine's preference, never
+        shut it out; without some traffic a demoted machine's score could never recover)."""
+        return count > 1 and self.explore > 0 and self.draw() < self.explore
+
+    def _other(self, count: int) -> int:
+        """A uniformly drawn position other than the first, of `count` > 1."""
+        return 1 + min(count - 2, int(self.draw() * (count - 1)))
 
     def _apply_pin(
         self,
@@ -504,11 +576,11 @@ class Chooser:
         model: str,
         admitted: list[MachineFate],
         refused: list[MachineFate],
-        top: set[str],
     ) -> str | None:
         pin = self._pins.get(role)
         if pin is None or pin.provider != provider or pin.model != model:
             return None
+        top = (f.machine for f in admitted if f.placement is None or f.placement.tier == 0)
         if any(f.machine == pin.machine for f in refused) or (admitted and pin.machine not in top):
             # A refused machine never keeps the pin (B3); nor does one the score placed
             # below the top quality tier (C4: the score lowers preference).
@@ -516,24 +588,19 @@ class Chooser:
             return None
         for index, fate in enumerate(admitted):
             if fate.machine == pin.machine:
-                led = MachineFate(
-                    fate.machine,
-                    fate.fate,
-                    AFFINITY,
-                    f"answered last for this role; {fate.detail}",
-                    fate.expected_seconds,
-                    fate.on_sheet,
-                    fate.continues_partial,
-                    fate.exclusion,
-                    fate.belief,
-                )
+                fate.reason = AFFINITY
                 del admitted[index]
-                admitted.insert(0, led)
+                admitted.insert(0, fate)
                 return pin.machine
         return None
 
 
+_NO_NAMES: Final[frozenset[str]] = frozenset()
 _REFUSAL_ORDER: Final = {Fate.EXCLUDED: 0, Fate.FAILED: 1, Fate.PATIENCE: 2, Fate.ADMITTED: 3}
+
+
+def provider_of(candidate: Candidate) -> str:
+    return candidate.provider.name
 
 
 def _names(avoid: Collection[MachineKey] | Collection[str], provider: str, model: str) -> set[str]:

@@ -77,10 +77,14 @@ class Dispatcher:
     ledger: Ledger = field(default_factory=Ledger)
     # Each machine's operational and semantic quality (SPEC C1-C3), fed by the outcomes.
     scores: Scoreboard = field(default_factory=Scoreboard)
+    # The share of routing decisions that explore (a machine other than the best leads).
+    explore: float = 0.02
     chooser: Chooser = field(init=False)
 
     def __post_init__(self) -> None:
-        self.chooser = Chooser(self.ledger, scores=self.scores, draw=self.rng.random)
+        self.chooser = Chooser(
+            self.ledger, scores=self.scores, draw=self.rng.random, explore=self.explore
+        )
 
     listeners: list[Callable[[Transition], None]] = field(default_factory=list)
 

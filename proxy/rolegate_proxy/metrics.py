@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Final
+from typing import Any, Final
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -15,12 +15,15 @@ from .score import ScoreRow
 from .verdicts import Verdict, VerdictKind
 
 LATENCY_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Label children remembered by `_child` at most (series are bounded by the configuration).
+MAX_CACHED_SERIES: Final = 10_000
 TTFT_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 
 
 class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         # Request-level series are fed by the outcome channel (a consumer, off the
         # request path); `rolegate_outcomes_dropped_total` says how many it lost.
         self.requests = Counter(
@@ -163,30 +166,42 @@ class ProxyMetrics:
 
     def observe_outcomes(self, batch: Sequence[Outcome]) -> None:
         """The metrics consumer of the outcome channel."""
+        child = self._child
         for outcome in batch:
             role = outcome.role or "-"
-            self.requests.labels(role, str(outcome.status), outcome.outcome.value).inc()
-            self.latency.labels(role).observe(outcome.latency_seconds)
+            child(self.requests, role, str(outcome.status), outcome.outcome.value).inc()
+            child(self.latency, role).observe(outcome.latency_seconds)
             for arm in outcome.arms:
-                self.arms.labels(
-                    role, arm.provider, arm.model, arm.machine or "", arm.result.value
+                child(
+                    self.arms, role, arm.provider, arm.model, arm.machine or "", arm.result.value
                 ).inc()
-            if outcome.provider is None or outcome.model is None:
+            provider, model = outcome.provider, outcome.model
+            if provider is None or model is None:
                 continue
-            served = (role, outcome.provider, outcome.model, outcome.machine or "")
-            self.served_latency.labels(*served).observe(outcome.latency_seconds)
+            machine = outcome.machine or ""
+            child(self.served_latency, role, provider, model, machine).observe(
+                outcome.latency_seconds
+            )
             if outcome.ttft_seconds is not None:
-                self.ttft.labels(*served).observe(outcome.ttft_seconds)
+                child(self.ttft, role, provider, model, machine).observe(outcome.ttft_seconds)
             if outcome.tokens_in is not None:
-                self.tokens.labels(role, outcome.provider, outcome.model, "in").inc(
-                    outcome.tokens_in
-                )
+                child(self.tokens, role, provider, model, "in").inc(outcome.tokens_in)
             if outcome.tokens_out is not None:
-                self.tokens.labels(role, outcome.provider, outcome.model, "out").inc(
-                    outcome.tokens_out
-                )
+                child(self.tokens, role, provider, model, "out").inc(outcome.tokens_out)
             if outcome.cost_usd is not None:
-                self.cost.labels(role, outcome.provider, outcome.model).inc(outcome.cost_usd)
+                child(self.cost, role, provider, model).inc(outcome.cost_usd)
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: prometheus_client takes a lock and
+        validates the labels on every call, and the consumer asks for the same few series
+        for every outcome. Only for series that are never removed."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            if len(self._children) >= MAX_CACHED_SERIES:
+                self._children.clear()
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def on_transition(self, transition: Transition) -> None:
         self.trips.labels(

@@ -14,6 +14,9 @@ drains the buffer and hands each batch to the consumers: the score update (the c
 loop: outcome, then score, then the next decision), the metrics, the decision log and,
 when enabled, the JSON-lines exporter.
 
+Records are plain slotted objects, not frozen ones (a frozen dataclass of this size costs
+microseconds to build on every request); nothing changes a record once it is emitted.
+
 Routing metadata only: names, numbers, reasons. A record never holds a prompt, a
 completion or a credential, and nothing here could put one in.
 """
@@ -77,7 +80,7 @@ class ArmAct(StrEnum):
     KEPT = "kept"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Arm:
     """One upstream attempt of a request."""
 
@@ -96,7 +99,7 @@ class Arm:
     detail: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Skip:
     """A candidate or machine of a request that was not sent to, and why."""
 
@@ -106,7 +109,7 @@ class Skip:
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Outcome:
     """One finished client request: what was asked of whom, what happened, what it cost."""
 

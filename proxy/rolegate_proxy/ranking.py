@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from .beliefs import MachineKey
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Entry:
     """One admitted machine for one request. `score` is its shrunk operational score and
     `semantic` its shrunk semantic score (both on [0, 1]; semantic None when no evaluator
@@ -48,7 +48,16 @@ class Entry:
     expected_seconds: float | None
 
     def __post_init__(self) -> None:
-        # A NaN would sort arbitrarily; scores outside [0, 1] are not scores.
+        # A NaN would sort arbitrarily; scores outside [0, 1] are not scores. One test for
+        # the common case (built for every admitted machine of every decision).
+        semantic, cost, seconds = self.semantic, self.cost, self.expected_seconds
+        if (
+            0.0 <= self.score <= 1.0
+            and (semantic is None or 0.0 <= semantic <= 1.0)
+            and (cost is None or cost >= 0.0)
+            and (seconds is None or seconds >= 0.0)
+        ):
+            return
         if not 0.0 <= self.score <= 1.0:
             raise ValueError(f"{self.key.describe()}: score {self.score} is outside [0, 1]")
         if self.semantic is not None and not 0.0 <= self.semantic <= 1.0:
@@ -63,7 +72,7 @@ class Entry:
             )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Placed:
     """An entry and where it was placed: its quality `tier` (0 is the top), how far
     `behind` the best score it is, and whether its semantic score demoted it in its tier."""
@@ -91,34 +100,38 @@ def rank(entries: Sequence[Entry], tolerance: float, draw: Callable[[], float]) 
     """Every entry, best first (see the module docstring). `tolerance` is the role's
     quality tolerance on the score scale; `draw` returns a uniform value in [0, 1) and is
     called once per entry in input order, whatever the tolerance (so a seeded stream stays
-    aligned); `lambda: 0.0` gives the undithered ranking."""
+    aligned); `lambda: 0.0` gives the undithered ranking.
+
+    Runs for every request over every admitted machine: one pass computes the tiers."""
     if not 0.0 <= tolerance < math.inf:
         raise ValueError(f"tolerance must be finite and >= 0, got {tolerance}")
     if not entries:
         return []
     best = max(entry.score for entry in entries)
-    # With no tolerance, a tier is a distinct score (rank of the score, best first).
-    strict = (
-        {score: i for i, score in enumerate(sorted({e.score for e in entries}, reverse=True))}
-        if tolerance == 0.0
-        else None
-    )
     tiers: list[int] = []
-    for entry in entries:
-        u = draw()
-        if not 0.0 <= u < 1.0:
-            raise ValueError(f"draw() must return a value in [0, 1), got {u}")
-        if strict is not None:
+    if tolerance == 0.0:
+        # With no tolerance, a tier is a distinct score (rank of the score, best first).
+        strict = {
+            score: i for i, score in enumerate(sorted({e.score for e in entries}, reverse=True))
+        }
+        for entry in entries:
+            _checked(draw())
             tiers.append(strict[entry.score])
-        else:
-            # A tiny tolerance can make the quotient overflow; such an entry is far behind.
-            q = (best - entry.score) / tolerance + u
-            tiers.append(math.floor(q) if q < sys.maxsize else sys.maxsize)
+    else:
+        scale = 1.0 / tolerance
+        for entry in entries:
+            u = draw()
+            if not 0.0 <= u < 1.0:
+                _checked(u)
+            q = (best - entry.score) * scale + u
+            # q >= 0, so int() floors; a tiny tolerance can make it overflow.
+            tiers.append(int(q) if q < sys.maxsize else sys.maxsize)
 
     best_semantic: dict[int, float] = {}
     for entry, tier in zip(entries, tiers, strict=True):
-        if entry.semantic is not None:
-            best_semantic[tier] = max(best_semantic.get(tier, 0.0), entry.semantic)
+        semantic = entry.semantic
+        if semantic is not None and (tier not in best_semantic or semantic > best_semantic[tier]):
+            best_semantic[tier] = semantic
 
     placed = [
         Placed(
@@ -133,7 +146,16 @@ def rank(entries: Sequence[Entry], tolerance: float, draw: Callable[[], float]) 
     return placed
 
 
-def _order(p: Placed) -> tuple[int, bool, bool, float, bool, float, MachineKey]:
+def _checked(u: float) -> float:
+    if not 0.0 <= u < 1.0:
+        raise ValueError(f"draw() must return a value in [0, 1), got {u}")
+    return u
+
+
+_SortKey = tuple[int, bool, bool, float, bool, float, MachineKey]
+
+
+def _order(p: Placed) -> _SortKey:
     cost, seconds = p.entry.cost, p.entry.expected_seconds
     return (
         p.tier,

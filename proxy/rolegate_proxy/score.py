@@ -317,6 +317,15 @@ class Scoreboard:
         record = self._records.get(key)
         return self._cold if record is None else record.view
 
+    def scores(self, key: MachineKey) -> tuple[float, float | None]:
+        """The operational score and the semantic score (None until judged) in one read:
+        what the ranking needs of every admitted machine on every decision."""
+        record = self._records.get(key)
+        if record is None:
+            return self._cold.score, None
+        semantic = record.semantic
+        return record.view.score, None if semantic is None else semantic.view.score
+
     def semantic(self, key: MachineKey) -> ScoreView | None:
         """The semantic view of `key` on [0, 1], or None until an evaluator judged it."""
         record = self._records.get(key)

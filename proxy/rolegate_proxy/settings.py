@@ -34,6 +34,9 @@ class ProxySettings:
     # The operational score's shrinkage N and smoothing half-life (in observations).
     score_full_confidence: int = 50
     score_half_life: float = 35.0
+    # The share of routing decisions in which a machine other than the best leads, so a
+    # demoted machine keeps being observed and can win its traffic back.
+    explore_share: float = 0.02
     # Seeds the proxy's randomness (backoff jitter, breaker cooldown jitter, the quality
     # tiers' dither) for reproducible simulations; None: seeded from the OS.
     random_seed: int | None = None

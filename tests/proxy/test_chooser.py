@@ -539,3 +539,31 @@ def test_refusal_iff_the_expectation_exceeds_the_patience(
         assert routing["order"] == list(choice.admitted)
         expectations = [choice.fate(m).expected_seconds for m in choice.admitted]  # type: ignore[union-attr]
         assert expectations == sorted(expectations)  # type: ignore[type-var]
+
+
+def test_exploration_lets_a_demoted_machine_lead_a_share_of_decisions() -> None:
+    """SPEC C4: the score lowers preference, never shuts a machine out. With an exploration
+    share of 0.1, a machine far behind leads about a tenth of the decisions (tolerance:
+    ±3 % over 2,000 seeded decisions); with none, never."""
+    config = ProxyConfig(providers=(provider(AGG, {CODER: CODERS}),))
+    counts = {}
+    for explore in (0.0, 0.1):
+        ledger = Ledger()
+        ledger.load_sheet(config)
+        chooser = Chooser(ledger, draw=random.Random(3).random, explore=explore)
+        _scored(chooser, "fast", ok=0, failed=60)
+        _scored(chooser, "steady", ok=60, failed=0)
+        leads = [
+            chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+            for _ in range(2000)
+        ]
+        counts[explore] = sum(1 for choice in leads if choice.admitted[0] == "fast")
+        explored = [c.fates[0] for c in leads if c.admitted[0] == "fast"]
+        assert all(fate.explored and "explored" in fate.detail for fate in explored)
+    assert counts[0.0] == 0
+    assert abs(counts[0.1] / 2000 - 0.1) <= 0.03
+
+
+def test_the_exploration_share_is_checked() -> None:
+    with pytest.raises(ValueError, match=r"exploration share must be in \[0, 1\)"):
+        Chooser(Ledger(), explore=1.0)

@@ -8,6 +8,7 @@ decision, no export involved); the semantic score stays null until an evaluator 
 from __future__ import annotations
 
 import asyncio
+import statistics
 from typing import Any
 
 import httpx
@@ -250,7 +251,7 @@ async def test_without_an_admin_token_feedback_is_disabled(
 # Keeps the breaker out of the way: these tests are about the score (slow drift), not trips.
 LENIENT = {"novelSignatureCount": 10_000, "familiarSignatureCount": 10_000, "rateThreshold": 1}
 
-FLAKY = [{"kind": "serverError", "probability": 0.3, "status": 503}]
+FLAKY = [{"kind": "serverError", "probability": 0.5, "status": 503}]
 
 
 async def _routing_run(
@@ -289,7 +290,7 @@ async def test_without_an_evaluator_routing_is_identical_to_feedback_disabled(
 
 
 async def _failing_cheap_run(
-    sim_server: SimFactory, proxy_server: ProxyFactory, tolerance: float
+    sim_server: SimFactory, proxy_server: ProxyFactory, tolerance: float, explore: float
 ) -> tuple[list[str], str, str]:
     """300 requests through the openai client while the cheap provider answers 503 a
     quarter of the time (each failure is retried on the dear one, so callers never
@@ -306,6 +307,7 @@ async def _failing_cheap_run(
             _agent(tolerance=tolerance),
         ],
         random_seed=5,
+        explore_share=explore,
     )
     async with openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0) as client:
         for _ in range(300):
@@ -324,16 +326,22 @@ async def test_closed_loop_a_failing_machine_loses_traffic_gradually_and_another
     retries), and the cheap one's share of first attempts fades over many windows — the
     dithered quality tiers of a 0.3 tolerance — instead of flipping at one request, down to
     a share that reflects how far behind it is, never to nothing."""
-    firsts, proxy_url, dear_url = await _failing_cheap_run(sim_server, proxy_server, tolerance=0.3)
+    firsts, proxy_url, dear_url = await _failing_cheap_run(
+        sim_server, proxy_server, tolerance=0.3, explore=0.02
+    )
     windows = [firsts[i : i + 20].count("cheap") / 20 for i in range(0, 300, 20)]
     print(f"\ncheap provider's share of first attempts per 20 requests: {windows}")
-    assert windows[:5] == [1.0] * 5  # both cold: quality ties, the cheaper leads
-    drop = next(i for i, share in enumerate(windows) if share < 1.0)
-    fading = windows[drop:]
-    # Gradually: several windows strictly between all and none, not one flip.
-    assert sum(1 for share in fading if 0.0 < share < 1.0) >= 4
-    # It ends well behind: at most 1 - 0.25/0.3 of the traffic, the rest to the steady one.
-    assert sum(windows[-4:]) / 4 <= 0.2
+    early, middle, late = windows[:5], windows[5:10], windows[10:]
+    mean = statistics.fmean
+    # While the evidence is thin it leads (quality ties inside the tolerance: the cheaper).
+    assert mean(early) >= 0.9
+    # Then it fades over several windows, not at one request ...
+    assert sum(1 for share in windows if 0.1 < share < 0.9) >= 3
+    assert mean(early) > mean(middle) > mean(late)
+    # ... to well behind (about 1 - 0.25/0.3 of first attempts at its true rate), but never
+    # shut out: exploration keeps it observed, so it could win its traffic back.
+    assert mean(late) <= 0.35
+    assert "cheap" in firsts[-100:]
     # Soft, never excluded: when the steady one fails, the demoted one still answers.
     async with httpx.AsyncClient() as client:
         broken = [{"kind": "serverError", "always": True, "status": 503}]
@@ -346,9 +354,10 @@ async def test_closed_loop_a_failing_machine_loses_traffic_gradually_and_another
 async def test_closed_loop_control_without_a_tolerance_the_traffic_flips_at_once(
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
-    """The same run with a tolerance of 0 (strict tiers, no dither): the lead changes
-    hands at one request and never comes back, which is what the dither avoids."""
-    firsts, _, _ = await _failing_cheap_run(sim_server, proxy_server, tolerance=0.0)
+    """The same run with a tolerance of 0 and no exploration (strict tiers, no dither):
+    the lead changes hands at one request and never comes back, which is what the dither
+    and the exploration avoid."""
+    firsts, _, _ = await _failing_cheap_run(sim_server, proxy_server, tolerance=0.0, explore=0.0)
     switch = firsts.index("dear")
     assert switch > 0
     assert firsts[:switch] == ["cheap"] * switch
