@@ -48,7 +48,7 @@ from rolegate_policy.config import CompiledMachine, CompiledModel, CompiledRole,
 
 from .beliefs import Ledger, MachineBelief, MachineKey
 from .exclusions import Exclusion
-from .ranking import Entry, Placed, rank
+from .ranking import describe_place, rank
 from .routing import Candidate, aggregator_routing
 from .score import Scoreboard
 
@@ -71,6 +71,10 @@ class Fate(StrEnum):
     EXCLUDED = "excluded"
     # Refused: it already failed in this request.
     FAILED = "failed"
+
+
+# The key of a fate that was never ranked (see MachineFate.key).
+_NO_KEY: Final = MachineKey("", "", "")
 
 
 @dataclass(slots=True)
@@ -99,7 +103,14 @@ class MachineFate:
     tokens: int = 0
     patience: float = 0.0
     # Where the ranking placed an admitted machine (None when it was the only one).
-    placement: Placed | None = field(default=None, compare=False)
+    # (tier, behind the best, semantic demotion): not the Placed itself, which refers back
+    # to this fate (a reference cycle per machine per decision keeps the collector busy).
+    placement: tuple[int, float, bool] | None = field(default=None, compare=False)
+    # What the ranking reads (see ranking.Rankable), filled in for admitted machines.
+    key: MachineKey = field(default=_NO_KEY, compare=False, repr=False)
+    score: float = 0.5
+    semantic: float | None = None
+    cost: float | None = None
     # It leads this once by exploration rather than by rank.
     explored: bool = False
 
@@ -119,7 +130,9 @@ class MachineFate:
         else:
             text = "no belief yet: admitted, ranked last"
         if self.placement is not None:
-            text = f"{text}; {self.placement.reason}"
+            tier, behind, demoted = self.placement
+            place = describe_place(tier, behind, demoted, self.cost, self.expected_seconds)
+            text = f"{text}; {place}"
         if self.reason == AFFINITY:
             text = f"answered last for this role; {text}"
         if self.explored:
@@ -409,12 +422,12 @@ class Chooser:
                 fate = MachineFate(name, admit,
                                    "believed" if expected is not None else "unknown", None,
                                    expected, on_sheet, continues, None, belief, tokens,
-                                   patience)  # fmt: skip
+                                   patience, None, key)  # fmt: skip
                 admitted.append(fate)
             fates.append(fate)
 
         if len(admitted) > 1:
-            admitted = self._rank(role, provider, model, admitted, sheet, keys, prompt_tokens)
+            admitted = self._rank(role, admitted, sheet, prompt_tokens)
         refused = sorted(
             (f for f in fates if f.fate is not admit),
             key=lambda f: (_REFUSAL_ORDER[f.fate], by_expected_time(f), f.machine),
@@ -453,51 +466,40 @@ class Chooser:
     def _rank(
         self,
         role: CompiledRole,
-        provider: str,
-        model: str,
         admitted: list[MachineFate],
         sheet: dict[str, CompiledMachine],
-        keys: dict[str, MachineKey],
         prompt_tokens: int,
     ) -> list[MachineFate]:
         """Two or more admitted machines in rank order, each with its placement (one alone
         is not ranked, and takes no draw)."""
-        entries = self._entries(role, provider, model, admitted, sheet, keys, prompt_tokens)
-        by_machine = {fate.machine: fate for fate in admitted}
+        self._score(role, admitted, sheet, prompt_tokens)
         ranked = []
-        for place in rank(entries, role.quality_tolerance, self.draw):
-            fate = by_machine[place.entry.key.machine]
-            fate.placement = place
+        for place in rank(admitted, role.quality_tolerance, self.draw):
+            fate = place.entry
+            fate.placement = (place.tier, place.behind, place.semantic_demoted)
             ranked.append(fate)
         return ranked
 
-    def _entries(
+    def _score(
         self,
         role: CompiledRole,
-        provider: str,
-        model: str,
         fates: Sequence[MachineFate],
         sheet: dict[str, CompiledMachine],
-        keys: dict[str, MachineKey],
         prompt_tokens: int,
-    ) -> list[Entry]:
-        """What the ranking needs of each machine: its scores, expected cost and time.
-        One loop, no call per machine: it runs for every admitted machine of a decision."""
+    ) -> None:
+        """Fill in what the ranking reads of each admitted machine: its scores and expected
+        cost. One loop, no call per machine: it runs for every admitted machine of a
+        decision."""
         scores_of = self.scores.scores
         out_tokens = role.expected_output_tokens
-        entries = []
         for fate in fates:
-            key = keys.get(fate.machine) or MachineKey(provider, model, fate.machine)
-            score, semantic = scores_of(key)
+            fate.score, fate.semantic = scores_of(fate.key)
             compiled = sheet.get(fate.machine)
-            cost = None
             if compiled is not None:
                 price_in = compiled.price_input_per_mtok
                 price_out = compiled.price_output_per_mtok
                 if price_in is not None and price_out is not None:
-                    cost = (prompt_tokens * price_in + out_tokens * price_out) / 1e6
-            entries.append(Entry(key, score, semantic, cost, fate.expected_seconds))
-        return entries
+                    fate.cost = (prompt_tokens * price_in + out_tokens * price_out) / 1e6
 
     def _sheet(
         self, candidate: Candidate
@@ -537,7 +539,7 @@ class Chooser:
             if len(group) == 1:
                 ordered.extend(group)
                 continue
-            entries: list[Entry] = []
+            entries: list[MachineFate] = []
             by_key: dict[MachineKey, Candidate] = {}
             closed: list[Candidate] = []
             for candidate in group:
@@ -546,11 +548,10 @@ class Chooser:
                     closed.append(candidate)
                     continue
                 head = choice.fates[0]
-                sheet, _, keys = self._sheet(candidate)
-                (entry,) = self._entries(role, provider_of(candidate), model, [head], sheet,
-                                         keys, prompt_tokens)  # fmt: skip
-                entries.append(entry)
-                by_key[entry.key] = candidate
+                sheet, _, _ = self._sheet(candidate)
+                self._score(role, [head], sheet, prompt_tokens)
+                entries.append(head)
+                by_key[head.key] = candidate
             group_order = [by_key[place.entry.key] for place in rank(entries,
                            role.quality_tolerance, self.draw)]  # fmt: skip
             if self._exploring(len(group_order)):
@@ -580,7 +581,7 @@ class Chooser:
         pin = self._pins.get(role)
         if pin is None or pin.provider != provider or pin.model != model:
             return None
-        top = (f.machine for f in admitted if f.placement is None or f.placement.tier == 0)
+        top = (f.machine for f in admitted if f.placement is None or f.placement[0] == 0)
         if any(f.machine == pin.machine for f in refused) or (admitted and pin.machine not in top):
             # A refused machine never keeps the pin (B3); nor does one the score placed
             # below the top quality tier (C4: the score lowers preference).

@@ -30,8 +30,32 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
 
 from .beliefs import MachineKey
+
+
+class Rankable(Protocol):
+    """What `rank` reads of each machine (see `Entry`): the chooser ranks its own per-machine
+    records directly rather than copying them into entries on every decision."""
+
+    @property
+    def key(self) -> MachineKey: ...
+
+    @property
+    def score(self) -> float: ...
+
+    @property
+    def semantic(self) -> float | None: ...
+
+    @property
+    def cost(self) -> float | None: ...
+
+    @property
+    def expected_seconds(self) -> float | None: ...
+
+
+R = TypeVar("R", bound=Rankable)
 
 
 @dataclass(slots=True)
@@ -39,7 +63,8 @@ class Entry:
     """One admitted machine for one request. `score` is its shrunk operational score and
     `semantic` its shrunk semantic score (both on [0, 1]; semantic None when no evaluator
     has judged it), `cost` the expected USD of this request on it (None: no published
-    price), `expected_seconds` its expected time to a usable answer (None: unknown)."""
+    price), `expected_seconds` its expected time to a usable answer (None: unknown).
+    `rank` refuses one that would sort arbitrarily (a NaN, a score outside [0, 1])."""
 
     key: MachineKey
     score: float
@@ -47,37 +72,13 @@ class Entry:
     cost: float | None
     expected_seconds: float | None
 
-    def __post_init__(self) -> None:
-        # A NaN would sort arbitrarily; scores outside [0, 1] are not scores. One test for
-        # the common case (built for every admitted machine of every decision).
-        semantic, cost, seconds = self.semantic, self.cost, self.expected_seconds
-        if (
-            0.0 <= self.score <= 1.0
-            and (semantic is None or 0.0 <= semantic <= 1.0)
-            and (cost is None or cost >= 0.0)
-            and (seconds is None or seconds >= 0.0)
-        ):
-            return
-        if not 0.0 <= self.score <= 1.0:
-            raise ValueError(f"{self.key.describe()}: score {self.score} is outside [0, 1]")
-        if self.semantic is not None and not 0.0 <= self.semantic <= 1.0:
-            raise ValueError(
-                f"{self.key.describe()}: semantic score {self.semantic} is outside [0, 1]"
-            )
-        if self.cost is not None and not self.cost >= 0.0:
-            raise ValueError(f"{self.key.describe()}: cost {self.cost} is not >= 0")
-        if self.expected_seconds is not None and not self.expected_seconds >= 0.0:
-            raise ValueError(
-                f"{self.key.describe()}: expected_seconds {self.expected_seconds} is not >= 0"
-            )
-
 
 @dataclass(slots=True)
-class Placed:
+class Placed(Generic[R]):
     """An entry and where it was placed: its quality `tier` (0 is the top), how far
     `behind` the best score it is, and whether its semantic score demoted it in its tier."""
 
-    entry: Entry
+    entry: R
     tier: int
     behind: float
     semantic_demoted: bool
@@ -85,18 +86,42 @@ class Placed:
     @property
     def reason(self) -> str:
         """A short line for the decision log."""
-        standing = "the best" if self.behind == 0 else f"{self.behind:.3f} behind the best"
-        parts = [f"quality tier {self.tier} ({standing})"]
-        if self.semantic_demoted:
-            parts.append("semantic score demoted it")
-        cost = self.entry.cost
-        parts.append("no published price" if cost is None else f"cost ${cost:.6f}")
-        if self.entry.expected_seconds is not None:
-            parts.append(f"expected {self.entry.expected_seconds:.1f} s")
-        return ", ".join(parts)
+        return describe_place(
+            self.tier,
+            self.behind,
+            self.semantic_demoted,
+            self.entry.cost,
+            self.entry.expected_seconds,
+        )
 
 
-def rank(entries: Sequence[Entry], tolerance: float, draw: Callable[[], float]) -> list[Placed]:
+def describe_place(
+    tier: int, behind: float, demoted: bool, cost: float | None, seconds: float | None
+) -> str:
+    """Where a machine was placed, for a person: tier, distance, demotion, cost, time."""
+    standing = "the best" if behind == 0 else f"{behind:.3f} behind the best"
+    parts = [f"quality tier {tier} ({standing})"]
+    if demoted:
+        parts.append("semantic score demoted it")
+    parts.append("no published price" if cost is None else f"cost ${cost:.6f}")
+    if seconds is not None:
+        parts.append(f"expected {seconds:.1f} s")
+    return ", ".join(parts)
+
+
+def _refuse(entry: Rankable) -> None:
+    """Raise for an entry that would sort arbitrarily (a NaN) or is not a score."""
+    key = entry.key.describe()
+    if not 0.0 <= entry.score <= 1.0:
+        raise ValueError(f"{key}: score {entry.score} is outside [0, 1]")
+    if entry.semantic is not None and not 0.0 <= entry.semantic <= 1.0:
+        raise ValueError(f"{key}: semantic score {entry.semantic} is outside [0, 1]")
+    if entry.cost is not None and not entry.cost >= 0.0:
+        raise ValueError(f"{key}: cost {entry.cost} is not >= 0")
+    raise ValueError(f"{key}: expected_seconds {entry.expected_seconds} is not >= 0")
+
+
+def rank(entries: Sequence[R], tolerance: float, draw: Callable[[], float]) -> list[Placed[R]]:
     """Every entry, best first (see the module docstring). `tolerance` is the role's
     quality tolerance on the score scale; `draw` returns a uniform value in [0, 1) and is
     called once per entry in input order, whatever the tolerance (so a seeded stream stays
@@ -107,6 +132,16 @@ def rank(entries: Sequence[Entry], tolerance: float, draw: Callable[[], float]) 
         raise ValueError(f"tolerance must be finite and >= 0, got {tolerance}")
     if not entries:
         return []
+    for entry in entries:
+        # Checked here, not when an entry is built: one pass over what rank reads anyway.
+        semantic, cost, seconds = entry.semantic, entry.cost, entry.expected_seconds
+        if not (
+            0.0 <= entry.score <= 1.0
+            and (semantic is None or 0.0 <= semantic <= 1.0)
+            and (cost is None or cost >= 0.0)
+            and (seconds is None or seconds >= 0.0)
+        ):
+            _refuse(entry)
     best = max(entry.score for entry in entries)
     tiers: list[int] = []
     if tolerance == 0.0:
@@ -155,7 +190,7 @@ def _checked(u: float) -> float:
 _SortKey = tuple[int, bool, bool, float, bool, float, MachineKey]
 
 
-def _order(p: Placed) -> _SortKey:
+def _order(p: Placed[R]) -> _SortKey:
     cost, seconds = p.entry.cost, p.entry.expected_seconds
     return (
         p.tier,

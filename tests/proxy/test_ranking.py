@@ -322,10 +322,12 @@ def test_semantic_demotion_with_tolerance_zero_demotes_any_lower_semantic() -> N
         ("expected_seconds", {"seconds": math.nan}),
     ],
 )
-def test_an_entry_refuses_what_would_sort_arbitrarily(field: str, kwargs: dict[str, float]) -> None:
+def test_rank_refuses_an_entry_that_would_sort_arbitrarily(
+    field: str, kwargs: dict[str, float]
+) -> None:
     score = kwargs.pop("score", 0.5)
     with pytest.raises(ValueError, match=field):
-        entry("a", score, **kwargs)
+        rank([entry("b", 0.5), entry("a", score, **kwargs)], 0.05, lambda: 0.0)
 
 
 def test_expected_cost() -> None:
