@@ -113,6 +113,14 @@ def _parser() -> argparse.ArgumentParser:
         "(default: 35)",
     )
     proxy.add_argument(
+        "--shutdown-grace-seconds",
+        type=_non_negative_float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM, stop accepting requests and give open streams this long to finish "
+        "(default: 30; keep the pod's terminationGracePeriodSeconds above it)",
+    )
+    proxy.add_argument(
         "--explore-share",
         type=_share,
         default=0.02,
@@ -288,6 +296,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         score_half_life=args.score_half_life,
         random_seed=args.seed,
         explore_share=args.explore_share,
+        shutdown_grace_seconds=args.shutdown_grace_seconds,
     )
     serve(settings, config, source)
     return 0
