@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv bench clean crds dev-cluster control-plane
+.PHONY: demo test lint venv bench clean crds chart-crds dev-cluster control-plane
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,9 +27,18 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/pytest
 
-# Regenerate the CRDs from the policy model (tests/policy/test_crds.py fails when stale).
+# Regenerate the CRDs from the policy model (tests/policy/test_crds.py fails when stale),
+# and refresh the Helm chart's copy of them.
 crds: $(STAMP)
 	$(BIN)/python -m rolegate_policy.crds deploy/crds
+	$(MAKE) chart-crds
+
+# The Helm chart's crds/ is a byte-for-byte copy of deploy/crds/ (tests/deploy/test_chart.py
+# fails when it differs).
+chart-crds:
+	rm -f deploy/helm/rolegate/crds/*.yaml
+	mkdir -p deploy/helm/rolegate/crds
+	cp deploy/crds/*.yaml deploy/helm/rolegate/crds/
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py

@@ -9,6 +9,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httpx
@@ -92,7 +93,7 @@ async def stack(crds: ControlPlane, namespace: str, sim_server: SimFactory) -> A
             )
             proxies[pod] = f"http://127.0.0.1:{port}"
         for url in proxies.values():
-            await until(lambda url=url: ready(url), within=30, what=f"{url} to be ready")
+            await until(partial(ready, url), within=30, what=f"{url} to be ready")
         yield Stack(crds, namespace, sim.url, proxies, processes)
     finally:
         for process in processes.values():

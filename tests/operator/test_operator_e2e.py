@@ -272,7 +272,7 @@ def test_proxy_owned_status_survives_the_operators_writes(
     cluster.apply(with_spec(ROUTER, timeouts={"connectSeconds": 2}))
 
     def settled() -> dict[str, Any] | None:
-        obj = observed(cluster, "pp", "router", "True", 2)
+        obj: dict[str, Any] | None = observed(cluster, "pp", "router", "True", 2)
         if obj is None or obj["status"].get("tripped") != "qwen/qwen3-coder":
             return None
         return obj

@@ -14,7 +14,7 @@ from ..support import ProxyFactory, SimFactory, provider_policy, role, role_tabl
 MODEL = "vendor/model-a"
 SECOND = "vendor/model-b"
 REPLY = "one two three four five six seven eight nine ten eleven twelve"
-ASCII_PROMPT = [{"role": "user", "content": "say the numbers"}]
+ASCII_PROMPT: Any = [{"role": "user", "content": "say the numbers"}]
 
 # Faults that make an attempt unusable before any content reaches the client.
 BEFORE_CONTENT: list[dict[str, Any]] = [

@@ -258,7 +258,7 @@ async def test_attempts_are_bounded_when_everything_fails(
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
     failing = [{"kind": "serverError", "always": True, "status": 503}]
-    machines = [{"name": f"m{i}", "faults": failing} for i in range(6)]
+    machines: list[dict[str, Any]] = [{"name": f"m{i}", "faults": failing} for i in range(6)]
     sim = await sim_server(
         {
             "seed": 1,

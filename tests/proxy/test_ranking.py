@@ -41,7 +41,7 @@ def never() -> float:
     return 0.0
 
 
-def order(placed: Sequence[Placed]) -> list[str]:
+def order(placed: Sequence[Placed[Entry]]) -> list[str]:
     return [p.entry.key.machine for p in placed]
 
 

@@ -24,7 +24,8 @@ def _contents(framer_output: list[bytes]) -> str:
 
 @pytest.mark.parametrize("piece", [1, 2, 3, 5, 7, 64])
 def test_every_split_position_reassembles_exactly(piece: int) -> None:
-    raw = _stream(*({"c": word} for word in TEXT.split(" ")))
+    events: list[dict[str, object]] = [{"c": word} for word in TEXT.split(" ")]
+    raw = _stream(*events)
     framer = EventFramer()
     datas: list[bytes] = []
     done = False

@@ -78,7 +78,7 @@ async def test_the_upstream_sends_no_charset_and_the_proxy_declares_utf8(
         assert response.headers["x-rolegate-machine"] == "m1"
         raw = b"".join([chunk async for chunk in response.aiter_raw()])
     # The proxy forwards the provider's own bytes: UTF-8, never re-escaped or re-encoded.
-    contents = []
+    contents: list[str] = []
     for block in raw.split(b"\n\n"):
         if block.startswith(b"data: {"):
             payload = json.loads(block[len(b"data: ") :].decode("utf-8"))
