@@ -22,6 +22,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/mypy tests bench  # the tests and benchmarks are held to the same standard
 	$(BIN)/lint-imports
 
 test: lint
