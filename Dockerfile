@@ -21,7 +21,7 @@ RUN python -m venv /opt/rolegate
 
 # Only what the build reads: the project metadata, the readme it names, the packages.
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY policy/ policy/
 COPY proxy/ proxy/
 COPY sim/ sim/
@@ -33,7 +33,7 @@ COPY cli/ cli/
 # imported once as a smoke test, and all modules are byte-compiled now so that nothing
 # has to be written at run time. unchecked-hash .pyc files stay valid whatever the copy
 # does to the sources' timestamps.
-RUN /opt/rolegate/bin/pip install --no-cache-dir . \
+RUN /opt/rolegate/bin/pip install --no-cache-dir -c constraints.txt . \
  && /opt/rolegate/bin/pip uninstall --yes setuptools wheel pip \
  && /opt/rolegate/bin/python -c "import rolegate_cli.main, rolegate_operator.main, rolegate_proxy.server, rolegate_sim.server" \
  && /opt/rolegate/bin/python -m compileall -q -f --invalidation-mode unchecked-hash /opt/rolegate/lib \

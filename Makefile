@@ -5,13 +5,24 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv bench clean crds chart-crds dev-cluster control-plane
+.PHONY: demo test lint venv bench clean crds chart-crds dev-cluster control-plane lock
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,demo]'
 	touch $(STAMP)
+
+# Re-resolve every dependency from pyproject.toml's ranges into constraints.txt (the exact
+# versions `make venv` and the Dockerfile install). Review the diff, then `make test`.
+lock:
+	rm -rf .venv-lock
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install --quiet --upgrade pip
+	.venv-lock/bin/pip install --quiet '.[dev,demo]'
+	{ sed -n '1,3p' constraints.txt; .venv-lock/bin/pip freeze --exclude-editable | grep -v '^rolegate'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf .venv-lock
 
 venv: $(STAMP)
 

@@ -374,8 +374,17 @@ def _run_dev_cluster(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from rolegate_cli.demo import run_demo
-
+    try:
+        from rolegate_cli.demo import run_demo
+    except ModuleNotFoundError as error:
+        if error.name != "openai":
+            raise
+        print(
+            "rolegate demo: drives the proxy with the OpenAI client, which is an extra: "
+            "pip install 'rolegate[demo]' (or run `make demo` from a clone).",
+            file=sys.stderr,
+        )
+        return 2
     return run_demo(requests=args.requests)
 
 

@@ -456,7 +456,7 @@ def test_the_builder_copies_exactly_what_the_build_reads_and_it_exists() -> None
         assert not re.search(r"[*?\[]", source), f"{source}: name files, not globs"
         assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
     project = pyproject()
-    needed = {"pyproject.toml", project["project"]["readme"]}
+    needed = {"pyproject.toml", project["project"]["readme"], "constraints.txt"}
     needed.update(project["tool"]["setuptools"]["packages"]["find"]["where"])
     assert {source.rstrip("/") for source in sources} == needed
 
@@ -539,3 +539,25 @@ def test_compile_runs_without_writing_to_disk(tmp_path: Path) -> None:
     assert "✓ RoleTable rolegate/agents" in result.stderr
     for directory in (work, home, tmp):
         assert list(directory.rglob("*")) == [], f"{directory.name} was written to"
+
+
+def test_constraints_pin_every_dependency_the_image_and_the_venv_install() -> None:
+    """constraints.txt holds one exact version for every dependency pyproject names
+    (runtime and extras), so the image and `make venv` install the same versions."""
+    project = pyproject()["project"]
+    wanted = list(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        wanted.extend(extra)
+    pinned = {}
+    for line in (ROOT / "constraints.txt").read_text(encoding="utf-8").splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, f"constraints.txt: {line!r} is not name==version"
+            pinned[_canonical(name)] = version
+    for requirement in wanted:
+        name = re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0]
+        assert _canonical(name) in pinned, f"{name} is not pinned in constraints.txt"
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
