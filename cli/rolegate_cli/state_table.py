@@ -59,7 +59,9 @@ def render_state(state: dict[str, Any]) -> str:
         for i, (title, _) in enumerate(COLUMNS)
     ]
     lines = [
-        "  ".join(f"{title:{align}{w}}" for (title, align), w in zip(COLUMNS, widths, strict=True))
+        "  ".join(
+            f"{title:{align}{w}}" for (title, align), w in zip(COLUMNS, widths, strict=True)
+        ).rstrip()
     ]
     lines.append("-" * len(lines[0]))
     for row in rows:
@@ -67,7 +69,7 @@ def render_state(state: dict[str, Any]) -> str:
             "  ".join(
                 f"{cell:{align}{w}}"
                 for cell, (_, align), w in zip(row, COLUMNS, widths, strict=True)
-            )
+            ).rstrip()
         )
     channel = state.get("outcomes", {})
     lines.append(
