@@ -80,7 +80,7 @@ async def feedback(request: web.Request) -> web.Response:
     try:
         judgment = parse_judgment(await request.read())
         served = proxy.served.lookup(judgment.request_id)
-        if judgment.evaluator in served.judged_by:
+        if served.judged(judgment.evaluator):
             raise ProxyError(
                 409,
                 f"Evaluator {judgment.evaluator!r} has already judged request "
@@ -98,7 +98,7 @@ async def feedback(request: web.Request) -> web.Response:
         )
     except ProxyError as error:
         return error.response()
-    served.judged_by.add(judgment.evaluator)
+    served.judge(judgment.evaluator)
     proxy.metrics.feedback.labels(judgment.evaluator).inc()
     view = dispatcher.scores.semantic(served.key)
     return web.json_response(

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
@@ -32,6 +32,7 @@ from .outcomes import Outcome, OutcomeKind
 from .score import ScoreScale
 
 DEFAULT_CAPACITY: Final = 50_000
+MAX_KEYS: Final = 4096
 MAX_EVALUATOR_LENGTH: Final = 100
 
 
@@ -39,7 +40,17 @@ MAX_EVALUATOR_LENGTH: Final = 100
 class ServedRequest:
     key: MachineKey
     role: str | None
-    judged_by: set[str] = field(default_factory=set)
+    # Evaluators that judged it; None until the first (most requests are never judged,
+    # and an empty set per remembered request would cost ~200 bytes each).
+    judged_by: set[str] | None = None
+
+    def judged(self, evaluator: str) -> bool:
+        return self.judged_by is not None and evaluator in self.judged_by
+
+    def judge(self, evaluator: str) -> None:
+        if self.judged_by is None:
+            self.judged_by = set()
+        self.judged_by.add(evaluator)
 
 
 class ServedIndex:
@@ -49,6 +60,7 @@ class ServedIndex:
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = capacity
         self._served: OrderedDict[str, ServedRequest | None] = OrderedDict()
+        self._keys: dict[MachineKey, MachineKey] = {}
 
     def __call__(self, batch: Sequence[Outcome]) -> None:
         for outcome in batch:
@@ -56,6 +68,10 @@ class ServedIndex:
             answered = outcome.outcome in (OutcomeKind.ANSWERED, OutcomeKind.INCOMPLETE)
             if answered and outcome.provider and outcome.model and outcome.machine:
                 key = MachineKey(outcome.provider, outcome.model, outcome.machine)
+                # One key object per machine, shared by its requests (memory, at 50,000).
+                key = self._keys.setdefault(key, key)
+                if len(self._keys) > MAX_KEYS:
+                    self._keys.clear()
                 served = ServedRequest(key, outcome.role)
             self._served[outcome.request_id] = served
             self._served.move_to_end(outcome.request_id)
