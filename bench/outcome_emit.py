@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
+
+from bench_report import publish, where_it_ran
 
 from rolegate_proxy.decisions import Decision
 from rolegate_proxy.outcomes import (
@@ -220,13 +220,9 @@ def main() -> int:
     )
     rows.append(
         f"samples={args.samples} x {args.batch} calls; buffer capacity {DEFAULT_CAPACITY}; "
-        f"python {sys.version.split()[0]}; {os.cpu_count()} CPUs; "
-        f"{datetime.now(UTC).strftime('%Y-%m-%d %H:%M:%S UTC')}"
+        + where_it_ran()
     )
-    report = "\n".join(rows)
-    print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report + "\n")
+    publish(rows, args.out)
     return 0
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from bench_report import publish, where_it_ran
 
 MODEL = "bench/model"
 REPLY = " ".join(f"token{i}" for i in range(48)) + " — café 日本語 🚀"
@@ -252,13 +253,9 @@ def main() -> int:
     rows.append(f"proxy peak RSS: {rss:.1f} MiB")
     rows.append(
         f"rounds={args.rounds} requests/round={args.requests} (x4 at concurrency 64); "
-        f"python {sys.version.split()[0]}; {os.cpu_count()} CPUs; "
-        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
+        + where_it_ran()
     )
-    report = "\n".join(rows)
-    print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report + "\n")
+    publish(rows, args.out)
     return 0
 
 

@@ -14,11 +14,11 @@ lowest and highest run. The change is after over before, in percent.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-from datetime import UTC, datetime
 from pathlib import Path
+
+from bench_report import publish, where_it_ran
 
 # (mode, concurrency, metric) as overhead.py prints them.
 CELLS = [
@@ -80,14 +80,9 @@ def main() -> int:
         + ("met" if not over else "NOT met (" + ", ".join(over) + ")")
     )
     rows.append(
-        f"runs: {len(before)} before, {len(after)} after (medians over runs); "
-        f"python {sys.version.split()[0]}; {os.cpu_count()} CPUs; "
-        f"{datetime.now(UTC).strftime('%Y-%m-%d %H:%M:%S UTC')}"
+        f"runs: {len(before)} before, {len(after)} after (medians over runs); " + where_it_ran()
     )
-    report = "\n".join(rows)
-    print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report + "\n")
+    publish(rows, args.out)
     return 0
 
 

@@ -20,15 +20,15 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import random
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
+
+from bench_report import publish, where_it_ran
 
 from rolegate_policy.config import (
     BreakerSettings,
@@ -291,10 +291,7 @@ def main() -> int:
         f"goal: one full routing decision over {MACHINES} machines under {GOAL_US:g} µs at "
         f"the median: {'met' if met else 'NOT met'} ({decision:.1f} µs)"
     )
-    rows.append(
-        f"calls={args.calls} per case; python {sys.version.split()[0]}; {os.cpu_count()} CPUs; "
-        f"{datetime.now(UTC).strftime('%Y-%m-%d %H:%M:%S UTC')}"
-    )
+    rows.append(f"calls={args.calls} per case; " + where_it_ran())
     if args.profile or not met:
         profiled = min(args.calls, 500)
         rows.append("")
@@ -303,10 +300,7 @@ def main() -> int:
             "overhead inflates every figure; read the shares):"
         )
         rows.append(profile(named[0][1], profiled))
-    report = "\n".join(rows)
-    print(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report + "\n")
+    publish(rows, args.out)
     return 0
 
 
