@@ -199,7 +199,20 @@ class ControlPlane:
         return ""
 
     def _write_kubeconfig(self) -> None:
-        self.kubeconfig.write_text(
+        self._write_token_kubeconfig(self.kubeconfig, "admin", self.token)
+
+    def service_account_kubeconfig(self, namespace: str, account: str, path: Path) -> Path:
+        """A kubeconfig holding only a TokenRequest token of the ServiceAccount (what the
+        kubelet projects into a pod), with no admin credentials to fall back on: to run a
+        component as its account and prove its RBAC is all it needs."""
+        token = self.kubectl(
+            "-n", namespace, "create", "token", account, "--duration=1h"
+        ).stdout.strip()
+        self._write_token_kubeconfig(path, account, token)
+        return path
+
+    def _write_token_kubeconfig(self, path: Path, user: str, token: str) -> None:
+        path.write_text(
             f"""apiVersion: v1
 kind: Config
 clusters:
@@ -208,12 +221,12 @@ clusters:
     server: {self.server}
     certificate-authority: {self.ca_file}
 users:
-- name: admin
+- name: {user}
   user:
-    token: {self.token}
+    token: {token}
 contexts:
 - name: rolegate-dev
-  context: {{cluster: rolegate-dev, user: admin}}
+  context: {{cluster: rolegate-dev, user: {user}}}
 current-context: rolegate-dev
 """
         )

@@ -95,28 +95,7 @@ class Release:
     def token_kubeconfig(self, account: str, path: Path) -> Path:
         """A kubeconfig holding only a TokenRequest token of `account` (what the kubelet
         projects into the pod): no admin credentials to fall back on."""
-        token = self.kubectl("create", "token", account, "--duration=1h").strip()
-        path.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [
-                        {
-                            "name": "test",
-                            "cluster": {
-                                "server": self.plane.server,
-                                "certificate-authority": str(self.plane.ca_file),
-                            },
-                        }
-                    ],
-                    "users": [{"name": account, "user": {"token": token}}],
-                    "contexts": [{"name": "test", "context": {"cluster": "test", "user": account}}],
-                    "current-context": "test",
-                }
-            )
-        )
-        return path
+        return self.plane.service_account_kubeconfig(self.namespace, account, path)
 
     def as_token(
         self, kubeconfig: Path, *args: str, namespace: str | None = None

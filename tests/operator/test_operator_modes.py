@@ -34,30 +34,7 @@ def documented_role() -> dict[str, Any]:
 
 def service_account_kubeconfig(cluster: Cluster, account: str, path: Path) -> Path:
     """A kubeconfig that authenticates as `account` with a token from the TokenRequest API."""
-    token = cluster.plane.kubectl(
-        "-n", cluster.namespace, "create", "token", account, "--duration=1h"
-    ).stdout.strip()
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [
-                    {
-                        "name": "test",
-                        "cluster": {
-                            "server": cluster.plane.server,
-                            "certificate-authority": str(cluster.plane.ca_file),
-                        },
-                    }
-                ],
-                "users": [{"name": account, "user": {"token": token}}],
-                "contexts": [{"name": "test", "context": {"cluster": "test", "user": account}}],
-                "current-context": "test",
-            }
-        )
-    )
-    return path
+    return cluster.plane.service_account_kubeconfig(cluster.namespace, account, path)
 
 
 def test_the_documented_role_is_all_it_needs(
