@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rolegate_proxy.server import RunningProxy
 from rolegate_sim import scenario
 from rolegate_sim.scenario import FAULT_KINDS
+from rolegate_sim.server import RunningSim
 
 from ..support import (
     ProxyFactory,
@@ -426,9 +427,10 @@ async def test_a_non_streamed_attempt_the_client_left_is_a_cancelled_arm(
 # --- c. bad input -------------------------------------------------------------------------------
 
 
-async def test_bad_input_has_exactly_one_rejected_outcome_each(
-    sim_server: SimFactory, proxy_server: ProxyFactory, tmp_path: Path
-) -> None:
+async def _one_machine(
+    sim_server: SimFactory, proxy_server: ProxyFactory, tmp_path: Path, **settings: Any
+) -> tuple[RunningSim, RunningProxy, Path]:
+    """A healthy one-machine simulator, a proxy for role `agent` exporting its outcomes."""
     sim = await sim_server({"seed": 1, "models": [{"name": MODEL, "machines": [{"name": "m1"}]}]})
     export = tmp_path / "outcomes.jsonl"
     proxy = await proxy_server(
@@ -437,8 +439,15 @@ async def test_bad_input_has_exactly_one_rejected_outcome_each(
             role_table(role("agent", [MODEL])),
         ],
         outcome_export=str(export),
-        max_body_bytes=2048,
+        **settings,
     )
+    return sim, proxy, export
+
+
+async def test_bad_input_has_exactly_one_rejected_outcome_each(
+    sim_server: SimFactory, proxy_server: ProxyFactory, tmp_path: Path
+) -> None:
+    sim, proxy, export = await _one_machine(sim_server, proxy_server, tmp_path, max_body_bytes=2048)
     url = f"{proxy.url}/v1/chat/completions"
     big = json.dumps({"model": "agent", "messages": [{"role": "user", "content": "x" * 4096}]})
 
@@ -483,15 +492,7 @@ async def test_bad_input_has_exactly_one_rejected_outcome_each(
 async def test_a_request_refused_after_its_role_was_chosen_keeps_the_role(
     sim_server: SimFactory, proxy_server: ProxyFactory, tmp_path: Path
 ) -> None:
-    sim = await sim_server({"seed": 1, "models": [{"name": MODEL, "machines": [{"name": "m1"}]}]})
-    export = tmp_path / "outcomes.jsonl"
-    proxy = await proxy_server(
-        [
-            provider_policy("agg", f"{sim.url}/v1", {MODEL: ["m1"]}),
-            role_table(role("agent", [MODEL])),
-        ],
-        outcome_export=str(export),
-    )
+    _, proxy, export = await _one_machine(sim_server, proxy_server, tmp_path)
     async with httpx.AsyncClient() as client:
         response = await client.post(
             f"{proxy.url}/v1/chat/completions",
