@@ -36,7 +36,8 @@ lint: $(STAMP)
 	$(BIN)/mypy tests bench  # the tests and benchmarks are held to the same standard
 	$(BIN)/lint-imports
 
-test: lint
+# The control plane is built before pytest starts, as a step of its own: no test builds.
+test: lint control-plane
 	$(BIN)/pytest
 
 # Regenerate the CRDs from the policy model (tests/policy/test_crds.py fails when stale),
@@ -60,9 +61,11 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV)
 
-# Build (once, cached under ~/.cache/rolegate) the real control plane the tests use.
+# The real Kubernetes control plane the tests use (kube-apiserver, kubectl, etcd, helm), built
+# from Go modules once per machine and cached under ~/.cache/rolegate ($ROLEGATE_CACHE):
+# about 6 minutes the first time, printing what it is doing; instant afterwards.
 control-plane:
-	bash hack/build-control-plane.sh
+	@bash hack/build-control-plane.sh >/dev/null
 
-dev-cluster: $(STAMP)
+dev-cluster: $(STAMP) control-plane
 	$(BIN)/rolegate dev-cluster

@@ -3,7 +3,13 @@
 # etcd and helm, from Go modules, once per machine, cached by version under
 # $ROLEGATE_CACHE (default $HOME/.cache/rolegate). Nothing built here is committed.
 #
-# Prints the bin directory on stdout when done. Re-running with everything built is instant.
+#   hack/build-control-plane.sh            build what is missing; print the bin directory
+#   hack/build-control-plane.sh --bin-dir  print the bin directory; build nothing
+#
+# Re-running with everything built is instant. Runs that share a cache take turns on a
+# lock, so a second run waits for the first and then finds the binaries built. An
+# interrupted or failed build stops every process it started and leaves no binary behind
+# that looks complete: each one is built into a staging directory and renamed into place.
 set -euo pipefail
 
 K8S_VERSION=${K8S_VERSION:-v1.34.4}
@@ -11,36 +17,139 @@ ETCD_VERSION=${ETCD_VERSION:-v3.6.13}
 HELM_VERSION=${HELM_VERSION:-v3.19.0}
 CACHE=${ROLEGATE_CACHE:-$HOME/.cache/rolegate}
 BIN="$CACHE/bin/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-helm-$HELM_VERSION"
-WORK="$CACHE/build"
+TOOLS=(kube-apiserver kubectl etcd helm)
+# How long a cold build took on this project's 2-core machine kind (docs/testing.md), so a
+# newcomer knows what the wait is.
+EXPECTED="about 6 minutes on 2 cores"
 
-export CGO_ENABLED=0 GOFLAGS=-trimpath GOTOOLCHAIN=local GOWORK=off
+if [ "${1:-}" = "--bin-dir" ]; then
+  echo "$BIN"
+  exit 0
+fi
 
 log() { printf '[control-plane] %s\n' "$*" >&2; }
 
 have_all() {
-  for tool in kube-apiserver kubectl etcd helm; do
+  local tool
+  for tool in "${TOOLS[@]}"; do
     [ -x "$BIN/$tool" ] || return 1
   done
 }
 
 if have_all; then
+  log "already built in $BIN"
   echo "$BIN"
   exit 0
 fi
 
 command -v go >/dev/null || { log "go is required (Go 1.24 or newer) to build the control plane"; exit 1; }
-mkdir -p "$BIN" "$WORK"
-started=$(date +%s)
 
-build_kubernetes() {
-  local dir="$WORK/kubernetes-$K8S_VERSION"
-  mkdir -p "$dir"
-  cd "$dir"
-  # k8s.io/kubernetes requires its staging modules at v0.0.0 through ./staging replaces
-  # (kubernetes/kubernetes#79384); a scratch module replaces each with the published
-  # v0.<minor>.<patch> instead. The list comes from the go.mod the module proxy serves.
-  local gomod
-  gomod=$(go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
+# Go's own caches live in ours: deleting $CACHE resets everything, an empty $CACHE is a
+# truly cold build, and -modcacherw keeps the module cache deletable.
+export CGO_ENABLED=0 GOFLAGS="-trimpath -modcacherw" GOTOOLCHAIN=local GOWORK=off
+export GOPATH="$CACHE/go" GOMODCACHE="$CACHE/go/mod" GOCACHE="$CACHE/go/build-cache"
+WORK="$CACHE/build"
+# What go prints (hundreds of download lines) goes here; the end of it is shown on failure.
+BUILD_LOG="$CACHE/build.log"
+STAGE="$BIN.partial"
+mkdir -p "$CACHE"
+
+# One build per cache at a time.
+if command -v flock >/dev/null; then
+  exec 9>"$CACHE/build.lock"
+  if ! flock -n 9; then
+    log "another build of the control plane is running in $CACHE; waiting for it to finish"
+    flock 9
+  fi
+  if have_all; then
+    log "built by the other run"
+    echo "$BIN"
+    exit 0
+  fi
+else
+  log "flock not found: a concurrent build into $CACHE would not wait for this one"
+fi
+
+# Every step runs in a session of its own (setsid), so stopping a step stops the go command
+# and every compiler and linker it started, and nothing else.
+step_pid=""
+
+stop_step() {
+  [ -n "$step_pid" ] || return 0
+  kill -TERM -- "-$step_pid" 2>/dev/null || return 0
+  local waited=0
+  while kill -0 -- "-$step_pid" 2>/dev/null && [ "$waited" -lt 50 ]; do
+    sleep 0.1
+    waited=$((waited + 1))
+  done
+  kill -KILL -- "-$step_pid" 2>/dev/null || true
+  step_pid=""
+}
+
+cleanup() {
+  local status=$?
+  stop_step
+  rm -rf "$STAGE"
+  if [ "$status" -ne 0 ]; then
+    log "build failed or was interrupted (exit $status); nothing partial was kept; run it again to resume"
+  fi
+  exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM HUP
+
+started=$SECONDS
+elapsed() { printf '%dm%02ds' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)); }
+# Seconds between the lines that say a long step is still going.
+PROGRESS_EVERY=${ROLEGATE_BUILD_PROGRESS_SECONDS:-30}
+
+# Run one step ("$1" says what it is), saying every $PROGRESS_EVERY seconds that it is still
+# going, so a compile that prints nothing for minutes is visibly alive. A signal to this
+# script is handled within the poll (0.2 s), then the trap stops the step's session.
+step() {
+  local what=$1
+  shift
+  log "$what ($(elapsed) so far)"
+  setsid "$@" 2>>"$BUILD_LOG" &
+  step_pid=$!
+  local since=$SECONDS
+  while kill -0 "$step_pid" 2>/dev/null; do
+    sleep 0.2
+    if [ $((SECONDS - since)) -ge "$PROGRESS_EVERY" ]; then
+      log "still $what ($(elapsed) so far, $EXPECTED in all)"
+      since=$SECONDS
+    fi
+  done
+  local status=0
+  wait "$step_pid" || status=$?
+  step_pid=""
+  if [ "$status" -ne 0 ]; then
+    log "$what failed (exit $status); the end of $BUILD_LOG:"
+    tail -n 40 "$BUILD_LOG" >&2
+  fi
+  return "$status"
+}
+
+# A finished binary moves from the staging directory into place in one rename.
+install_binary() {
+  mv -f "$STAGE/$1" "$BIN/$1"
+}
+
+k8s_ldflags() {
+  local minor=${K8S_VERSION#v1.}
+  minor=${minor%%.*}
+  local pkg flags=""
+  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    flags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+  done
+  echo "$flags"
+}
+
+# k8s.io/kubernetes requires its staging modules at v0.0.0 through ./staging replaces
+# (kubernetes/kubernetes#79384); a scratch module replaces each with the published
+# v0.<minor>.<patch> instead. The list comes from the go.mod the module proxy serves ($1).
+write_kubernetes_module() {
   local staging_version="v0${K8S_VERSION#v1}"
   {
     echo "module rolegate.dev/controlplane"
@@ -52,21 +161,29 @@ build_kubernetes() {
     echo "require k8s.io/kubernetes $K8S_VERSION"
     echo
     echo "replace ("
-    grep -E '^\s*k8s.io/[^ ]+ => ./staging/' "$gomod" | awk -v v="$staging_version" '{print "\t" $1 " => " $1 " " v}'
+    grep -E '^\s*k8s.io/[^ ]+ => ./staging/' "$1" | awk -v v="$staging_version" '{print "\t" $1 " => " $1 " " v}'
     echo ")"
   } > go.mod
-  log "resolving k8s.io/kubernetes $K8S_VERSION modules"
-  go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION" >&2
-  go get -tool "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION" >&2
-  local minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
-  local ldflags=""
-  for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-    ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
+}
+
+build_kubernetes() {
+  local dir="$WORK/kubernetes-$K8S_VERSION"
+  mkdir -p "$dir"
+  cd "$dir"
+  step "resolving k8s.io/kubernetes $K8S_VERSION" \
+    go mod download -json "k8s.io/kubernetes@$K8S_VERSION" > kubernetes.json
+  write_kubernetes_module "$(sed -n 's/.*"GoMod": "\(.*\)".*/\1/p' kubernetes.json)"
+  step "downloading the modules of kube-apiserver" \
+    go get -tool "k8s.io/kubernetes/cmd/kube-apiserver@$K8S_VERSION"
+  step "downloading the modules of kubectl" go get -tool "k8s.io/kubernetes/cmd/kubectl@$K8S_VERSION"
+  local ldflags
+  ldflags=$(k8s_ldflags)
+  local tool
+  for tool in kube-apiserver kubectl; do
+    [ ! -x "$BIN/$tool" ] || continue
+    step "building $tool" go build -ldflags "$ldflags" -o "$STAGE/$tool" "k8s.io/kubernetes/cmd/$tool"
+    install_binary "$tool"
   done
-  log "building kube-apiserver"
-  go build -ldflags "$ldflags" -o "$BIN/kube-apiserver" k8s.io/kubernetes/cmd/kube-apiserver
-  log "building kubectl"
-  go build -ldflags "$ldflags" -o "$BIN/kubectl" k8s.io/kubernetes/cmd/kubectl
 }
 
 build_etcd() {
@@ -75,26 +192,33 @@ build_etcd() {
   mkdir -p "$dir"
   cd "$dir"
   printf 'module rolegate.dev/etcd\n\ngo 1.24\n' > go.mod
-  log "building etcd $ETCD_VERSION"
-  go get -tool "go.etcd.io/etcd/server/v3@$ETCD_VERSION" >&2
-  go build -o "$BIN/etcd" go.etcd.io/etcd/server/v3
+  step "downloading etcd $ETCD_VERSION" go get -tool "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
+  step "building etcd $ETCD_VERSION" go build -o "$STAGE/etcd" go.etcd.io/etcd/server/v3
+  install_binary etcd
 }
 
 build_helm() {
-  log "building helm $HELM_VERSION"
-  local minor=${K8S_VERSION#v1.}; minor=${minor%%.*}
-  local ldflags=""
+  local minor=${K8S_VERSION#v1.}
+  minor=${minor%%.*}
+  local pkg ldflags=""
   # Built this way helm would believe the cluster is Kubernetes 1.20; tell it the truth.
   for pkg in helm.sh/helm/v3/pkg/chartutil helm.sh/helm/v3/pkg/lint/rules; do
     ldflags+=" -X $pkg.k8sVersionMajor=1 -X $pkg.k8sVersionMinor=$minor"
   done
-  GOBIN="$BIN" go install -ldflags "$ldflags" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION" >&2
+  step "building helm $HELM_VERSION" \
+    env GOBIN="$STAGE" go install -ldflags "$ldflags" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  install_binary helm
 }
 
-[ -x "$BIN/etcd" ] || build_etcd
-[ -x "$BIN/helm" ] || build_helm
-{ [ -x "$BIN/kube-apiserver" ] && [ -x "$BIN/kubectl" ]; } || build_kubernetes
+log "building the real Kubernetes control plane the tests use, once for this machine"
+log "($EXPECTED, 5 GB of Go caches under $CACHE; go's output in $BUILD_LOG); later runs reuse it at once"
+rm -rf "$STAGE"
+mkdir -p "$BIN" "$STAGE" "$WORK"
+: > "$BUILD_LOG"
+if [ ! -x "$BIN/etcd" ]; then build_etcd; fi
+if [ ! -x "$BIN/helm" ]; then build_helm; fi
+if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kubectl" ]; then build_kubernetes; fi
 
 have_all || { log "build finished but a binary is missing in $BIN"; exit 1; }
-log "built in $(( $(date +%s) - started ))s into $BIN"
+log "built in $(elapsed) into $BIN"
 echo "$BIN"

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 import shutil
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
-from rolegate_cli.controlplane import REPO_ROOT, ControlPlane, ensure_binaries, scratch_dir
+from rolegate_cli.controlplane import REPO_ROOT, ControlPlane, installed_binaries, scratch_dir
 from rolegate_policy.crds import RESOURCES
 from rolegate_proxy.server import RunningProxy
 from rolegate_proxy.server import start as start_proxy
@@ -21,6 +20,7 @@ from rolegate_sim.server import RunningSim
 from rolegate_sim.server import start as start_sim
 
 from .support import ProxyFactory, SimFactory, compile_objects
+from .waiting import wait_for
 
 CRD_DIR = REPO_ROOT / "deploy" / "crds"
 
@@ -75,7 +75,7 @@ async def proxy_server() -> AsyncIterator[ProxyFactory]:
 @pytest.fixture(scope="session")
 def control_plane() -> Iterator[ControlPlane]:
     root = scratch_dir()
-    plane = ControlPlane(bin_dir=ensure_binaries(), root=root)
+    plane = ControlPlane(bin_dir=installed_binaries(), root=root)
     try:
         yield plane.start()
     finally:
@@ -102,13 +102,10 @@ def crds(control_plane: ControlPlane) -> ControlPlane:
     )  # fmt: skip
     # Established is not yet published: the OpenAPI document `kubectl explain` reads
     # follows a moment later.
-    deadline = time.monotonic() + 30
     for resource in RESOURCES:
-        while True:
-            result = control_plane.kubectl("explain", resource.singular, check=False)
-            if result.returncode == 0:
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{resource.kind} never reached OpenAPI: {result.stderr}")
-            time.sleep(0.2)
+
+        def explained(singular: str = resource.singular) -> bool:
+            return control_plane.kubectl("explain", singular, check=False).returncode == 0
+
+        wait_for(explained, f"{resource.kind} in the OpenAPI document", within=30, every=0.2)
     return control_plane

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -20,6 +19,8 @@ from rolegate_policy.manifests import manifest_from_object
 from rolegate_proxy.outcomes import Outcome
 from rolegate_proxy.server import RunningProxy
 from rolegate_sim.server import RunningSim
+
+from .waiting import eventually
 
 SimFactory = Callable[[dict[str, Any]], Awaitable[RunningSim]]
 ProxyFactory = Callable[..., Awaitable[RunningProxy]]
@@ -144,30 +145,26 @@ async def sim_records(sim_url: str) -> list[dict[str, Any]]:
 
 
 async def wait_for_sim_record(
-    sim_url: str, done: Callable[[dict[str, Any]], bool], within: float = 5.0
+    sim_url: str, done: Callable[[dict[str, Any]], bool], within: float = 10.0
 ) -> dict[str, Any]:
-    """Poll the simulator until its latest request record satisfies `done` (bounded)."""
-    deadline = asyncio.get_running_loop().time() + within
-    while True:
+    """The simulator's latest request record, once it satisfies `done`."""
+
+    async def latest_done() -> dict[str, Any] | None:
         records = await sim_records(sim_url)
-        if records and done(records[-1]):
-            return records[-1]
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"no finished simulator record within {within}s: {records}")
-        await asyncio.sleep(0.02)
+        return records[-1] if records and done(records[-1]) else None
+
+    return await eventually(latest_done, what="a simulator record as expected", within=within)
 
 
-async def outcomes(proxy: RunningProxy, count: int, within: float = 5.0) -> list[Outcome]:
+async def outcomes(proxy: RunningProxy, count: int, within: float = 10.0) -> list[Outcome]:
     """The proxy's recent outcomes once at least `count` have reached its decision log (the
     outcome channel hands them over on the loop's next turn, after the response)."""
-    deadline = asyncio.get_running_loop().time() + within
-    while True:
+
+    async def enough() -> list[Outcome] | None:
         found = proxy.state.decisions.recent()
-        if len(found) >= count:
-            return found
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{len(found)} outcomes within {within}s, expected {count}")
-        await asyncio.sleep(0.01)
+        return found if len(found) >= count else None
+
+    return await eventually(enough, what=f"{count} outcomes in the decision log", within=within)
 
 
 def compile_objects(objects: list[dict[str, Any]]) -> ProxyConfig:

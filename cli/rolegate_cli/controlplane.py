@@ -2,7 +2,8 @@
 
 Used by the test suite (a session fixture) and by `rolegate dev-cluster` for a person to
 `kubectl` against. The binaries are built from Go modules once per machine by
-`hack/build-control-plane.sh` and cached under `$HOME/.cache/rolegate`. There is no
+`hack/build-control-plane.sh` (`make control-plane`) and cached under
+`$HOME/.cache/rolegate`; nothing here builds them. There is no
 controller-manager, scheduler or kubelet: objects are stored and validated, Pods never
 run, namespaces deleted stay Terminating, and nothing creates default ServiceAccounts.
 """
@@ -13,15 +14,18 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = REPO_ROOT / "hack" / "build-control-plane.sh"
@@ -31,17 +35,30 @@ class ControlPlaneError(RuntimeError):
     pass
 
 
-def ensure_binaries() -> Path:
-    """The directory holding kube-apiserver, etcd, kubectl and helm, building them if needed."""
+TOOLS = ("kube-apiserver", "kubectl", "etcd", "helm")
+# The one command that builds them (a step of `make test`, before pytest).
+BUILD_COMMAND = "make control-plane"
+
+
+def installed_binaries() -> Path:
+    """The directory holding kube-apiserver, kubectl, etcd and helm. Never builds them: a
+    cold build takes minutes and is a step of its own (`make control-plane`, which
+    `make test` runs before pytest), never work inside a test under its timeout."""
     result = subprocess.run(
-        ["bash", str(BUILD_SCRIPT)], capture_output=True, text=True, check=False
+        ["bash", str(BUILD_SCRIPT), "--bin-dir"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
     )
-    if result.returncode != 0:
+    bin_dir = Path(result.stdout.strip())
+    missing = [tool for tool in TOOLS if not os.access(bin_dir / tool, os.X_OK)]
+    if missing:
         raise ControlPlaneError(
-            f"building the control plane failed (exit {result.returncode}); "
-            f"output:\n{result.stderr[-4000:]}"
+            f"the Kubernetes control plane is not built ({', '.join(missing)} missing from "
+            f"{bin_dir}); build it once for this machine (about 6 minutes): {BUILD_COMMAND}"
         )
-    return Path(result.stdout.strip().splitlines()[-1])
+    return bin_dir
 
 
 def free_port() -> int:
@@ -147,6 +164,9 @@ class ControlPlane:
                 "--service-cluster-ip-range=10.0.0.0/24",
                 "--disable-admission-plugins=ServiceAccount",
                 "--allow-privileged=true",
+                # A stop waits this long for open watches (every operator and proxy holds
+                # one) to drain, where by default it waits for them without end.
+                "--shutdown-watch-termination-grace-period=2s",
                 "-v=0",
             ],
             stdout=log,
@@ -156,13 +176,7 @@ class ControlPlane:
         self._wait_ready()
 
     def stop_apiserver(self) -> None:
-        if self.apiserver is not None and self.apiserver.poll() is None:
-            self.apiserver.terminate()
-            try:
-                self.apiserver.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.apiserver.kill()
-                self.apiserver.wait()
+        _terminate(self.apiserver)
         self.apiserver = None
 
     def _wait_ready(self, within: float = 60.0) -> None:
@@ -251,13 +265,31 @@ current-context: rolegate-dev
 
     def stop(self) -> None:
         self.stop_apiserver()
-        if self.etcd is not None and self.etcd.poll() is None:
-            self.etcd.terminate()
-            try:
-                self.etcd.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.etcd.kill()
-                self.etcd.wait()
+        _terminate(self.etcd)
+
+    def exited(self) -> str | None:
+        """Which of the two processes died on its own, with its exit status and the end of
+        its log; None while both run."""
+        for name, process, log in (
+            ("kube-apiserver", self.apiserver, "apiserver.log"),
+            ("etcd", self.etcd, "etcd.log"),
+        ):
+            if process is not None and process.poll() is not None:
+                return f"{name} exited with {process.returncode}; the end of its log:\n" + (
+                    self._tail(log)
+                )
+        return None
+
+
+def _terminate(process: subprocess.Popen[bytes] | None) -> None:
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 def scratch_dir() -> Path:
@@ -266,24 +298,41 @@ def scratch_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="rolegate-cp-", dir=base))
 
 
+class _Stopped(Exception):
+    """SIGTERM or SIGHUP arrived: stop like Ctrl-C does."""
+
+
+def _stop_on_signal(signum: int, frame: FrameType | None) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
 def run_dev_cluster() -> int:
-    """`rolegate dev-cluster`: start a control plane and keep it until Ctrl-C."""
-    bin_dir = ensure_binaries()
+    """`rolegate dev-cluster`: start a control plane and keep it until Ctrl-C, SIGTERM or
+    SIGHUP, or until etcd or kube-apiserver dies (then stop the other and fail)."""
+    bin_dir = installed_binaries()
     root = scratch_dir()
-    plane = ControlPlane(bin_dir=bin_dir, root=root).start()
-    print(
-        f"control plane ready at {plane.server}\n"
-        f"  export KUBECONFIG={plane.kubeconfig}\n"
-        f"  export PATH={bin_dir}:$PATH   # kubectl and helm of the same version\n"
-        "Ctrl-C stops it and deletes its data.",
-        flush=True,
-    )
+    plane = ControlPlane(bin_dir=bin_dir, root=root)
+    # Installed before the first child starts, so no signal can leave one running.
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(stop_signal, _stop_on_signal)
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+        plane.start()
+        print(
+            f"control plane ready at {plane.server}\n"
+            f"  export KUBECONFIG={plane.kubeconfig}\n"
+            f"  export PATH={bin_dir}:$PATH   # kubectl and helm of the same version\n"
+            "Ctrl-C (or SIGTERM) stops it and deletes its data.",
+            flush=True,
+        )
+        while (died := plane.exited()) is None:
+            time.sleep(0.5)
+        print(f"rolegate dev-cluster: {died}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _Stopped):
+        return 0
     finally:
+        # A second Ctrl-C or SIGTERM must not cut the cleanup short.
+        for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(stop_signal, signal.SIG_IGN)
         plane.stop()
         shutil.rmtree(root, ignore_errors=True)
-    return 0

@@ -8,13 +8,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+
+from ..waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -34,18 +36,25 @@ def free_port() -> int:
         return port
 
 
-def wait_until_up(url: str, process: subprocess.Popen[str], within: float = 20) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"{url}: process exited with {process.returncode}")
+@dataclass
+class Running:
+    """A started `rolegate` process, for `wait_for` to give up on at once if it exits."""
+
+    process: subprocess.Popen[str]
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise AssertionError(f"the process exited with {self.process.returncode}")
+
+
+def wait_until_up(url: str, process: subprocess.Popen[str]) -> None:
+    def answers() -> bool:
         try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
+            return httpx.get(url, timeout=1).status_code == 200
         except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"{url} did not answer within {within}s")
+            return False
+
+    wait_for(answers, f"{url} to answer", alive=[Running(process)], every=0.05)
 
 
 @pytest.fixture

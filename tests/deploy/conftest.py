@@ -1,5 +1,5 @@
 """Helpers for the Helm chart's tests: the real `helm` (built with the control plane,
-`ensure_binaries()`), renders as parsed documents, installs into the suite's API server.
+`installed_binaries()`), renders as parsed documents, installs into the suite's API server.
 
 Shared by test_chart.py and test_chart_rbac.py; the control plane, namespaces and the
 rolegate CRDs come from the suite's fixtures (`tests/conftest.py`).
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rolegate_cli.controlplane import REPO_ROOT, ControlPlane, ensure_binaries
+from rolegate_cli.controlplane import REPO_ROOT, ControlPlane, installed_binaries
 
 CHART = REPO_ROOT / "deploy" / "helm" / "rolegate"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
@@ -29,7 +29,7 @@ SECRETS_DIR = "/var/run/secrets/rolegate"
 
 @functools.cache
 def helm_path() -> Path:
-    return ensure_binaries() / "helm"
+    return installed_binaries() / "helm"
 
 
 def helm(

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from rolegate_cli.controlplane import REPO_ROOT, ControlPlane, ensure_binaries, scratch_dir
+from rolegate_cli.controlplane import REPO_ROOT, ControlPlane, installed_binaries, scratch_dir
 
 from .conftest import (
     CHART,
@@ -264,7 +264,7 @@ def test_the_documented_crd_upgrade_works(tmp_path: Path) -> None:
         (newer / path.name).write_text(yaml.safe_dump(crd))
 
     root = scratch_dir()
-    plane = ControlPlane(bin_dir=ensure_binaries(), root=root).start()
+    plane = ControlPlane(bin_dir=installed_binaries(), root=root).start()
     try:
         plane.kubectl("create", "namespace", "rolegate")
         helm("install", "rolegate", str(CHART), "-n", "rolegate", "--wait=false", plane=plane)

@@ -20,7 +20,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import yaml
 from rolegate_cli.controlplane import REPO_ROOT, ControlPlane, free_port
 
 from ..support import provider_policy, role, role_table
+from ..waiting import wait_for
 from .conftest import fullname, helm, install
 
 T = TypeVar("T")
@@ -180,27 +180,6 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-
-
-def wait_for(
-    probe: Callable[[], T | None],
-    what: str,
-    *,
-    within: float = 20.0,
-    alive: Sequence[Process] = (),
-) -> T:
-    """Poll `probe` until it returns something truthy; fail after `within` seconds."""
-    deadline = time.monotonic() + within
-    last: T | None = None
-    while True:
-        for process in alive:
-            process.check_alive()
-        last = probe()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within}s: {what} (last: {last!r})")
-        time.sleep(0.1)
 
 
 @dataclass(frozen=True)

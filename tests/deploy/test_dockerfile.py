@@ -445,7 +445,7 @@ def test_labels_name_the_source_the_license_and_the_version() -> None:
     for key in ("source", "description", "licenses", "version"):
         assert prefix + key in labels, key
     project = pyproject()["project"]
-    assert labels[prefix + "licenses"] == project["license"]["text"]
+    assert labels[prefix + "licenses"] == project["license"]
     assert labels[prefix + "version"] == project["version"]
     assert labels[prefix + "description"]
 

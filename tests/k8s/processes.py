@@ -6,8 +6,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -35,16 +33,6 @@ async def stop(process: subprocess.Popen[str]) -> str:
     tail = (stderr or "")[-4000:]
     print(tail)
     return tail
-
-
-async def until(check: Callable[[], Awaitable[bool]], *, within: float, what: str) -> float:
-    """Poll `check` every 10 ms; return how long it took, or fail after `within` seconds."""
-    started = time.monotonic()
-    while time.monotonic() - started < within:
-        if await check():
-            return time.monotonic() - started
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out after {within}s waiting for {what}")
 
 
 async def ready(url: str) -> bool:

@@ -7,7 +7,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -18,7 +18,8 @@ import pytest
 from rolegate_cli.controlplane import ControlPlane, free_port
 
 from ..support import SimFactory, provider_policy, role, role_table
-from .processes import ready, start_cli, stop, until
+from ..waiting import eventually
+from .processes import ready, start_cli, stop
 
 MODEL = "vendor/model-a"
 PROMPT = [{"role": "user", "content": "plain ascii prompt"}]
@@ -93,7 +94,7 @@ async def stack(crds: ControlPlane, namespace: str, sim_server: SimFactory) -> A
             )
             proxies[pod] = f"http://127.0.0.1:{port}"
         for url in proxies.values():
-            await until(partial(ready, url), within=30, what=f"{url} to be ready")
+            await eventually(partial(ready, url), what=f"{url} to be ready", within=30)
         yield Stack(crds, namespace, sim.url, proxies, processes)
     finally:
         for process in processes.values():
@@ -111,21 +112,17 @@ def _tripped(status: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-async def _eventually(check: Callable[[], Awaitable[bool]], what: str, within: float = 20) -> float:
-    return await until(check, within=within, what=what)
-
-
 async def test_a_fault_shows_as_tripped_on_the_resource_and_recovers(stack: Stack) -> None:
     # Both pods report, and their entries coexist.
     async def both_report() -> bool:
         return _pods(await stack.pp()) == {"proxy-a", "proxy-b"}
 
-    await _eventually(both_report, "both pods' reports")
+    await eventually(both_report, what="both pods' reports", within=20)
 
     async def calm() -> bool:
         return (await stack.columns()).get("TRIPPED") == "False"
 
-    await _eventually(calm, "Tripped=False once pods report")
+    await eventually(calm, what="Tripped=False once pods report", within=20)
 
     # The machine starts answering empty on 200 to ASCII prompts.
     await stack.faults([{"kind": "empty", "always": True}])
@@ -136,7 +133,7 @@ async def test_a_fault_shows_as_tripped_on_the_resource_and_recovers(stack: Stac
     async def shows_tripped() -> bool:
         return (await stack.columns()).get("TRIPPED") == "True"
 
-    await _eventually(shows_tripped, "kubectl get pp to show Tripped")
+    await eventually(shows_tripped, what="kubectl get pp to show Tripped", within=20)
     shown_after = time.monotonic() - started
     print(
         f"\nkubectl get pp showed the trip {shown_after * 1000:.0f} ms after the first bad answer"
@@ -144,11 +141,20 @@ async def test_a_fault_shows_as_tripped_on_the_resource_and_recovers(stack: Stac
     columns = await stack.columns()
     assert columns["SCOPE"] == MODEL
     assert columns["REASON"] == "EmptyResponses"
-    condition = _tripped(await stack.pp())
-    assert f"model {MODEL} (EmptyResponses) on 2 of 2 pods" in condition["message"]
-    described = await asyncio.to_thread(stack.kubectl, "describe", "pp", "router")
-    assert "Tripped" in described
-    assert f"Tripped model {MODEL}: EmptyResponses" in described
+
+    # The first pod's report shows the trip; the second's follows on its own schedule.
+    async def on_both_pods() -> bool:
+        message: str = _tripped(await stack.pp()).get("message", "")
+        return f"model {MODEL} (EmptyResponses) on 2 of 2 pods" in message
+
+    await eventually(on_both_pods, what="both pods' reports of the trip", within=20)
+
+    # The transition's Event is posted beside the status write, not before it.
+    async def event_posted() -> bool:
+        described = await asyncio.to_thread(stack.kubectl, "describe", "pp", "router")
+        return f"Tripped model {MODEL}: EmptyResponses" in described
+
+    await eventually(event_posted, what="the Tripped event", within=20)
 
     # The fault clears: after the cooldown each pod's probe succeeds and it recovers.
     await stack.faults([])
@@ -158,9 +164,13 @@ async def test_a_fault_shows_as_tripped_on_the_resource_and_recovers(stack: Stac
         await stack.send("proxy-b")
         return (await stack.columns()).get("TRIPPED") == "False"
 
-    await _eventually(recovered, "the recovery to show", within=30)
-    described = await asyncio.to_thread(stack.kubectl, "describe", "pp", "router")
-    assert f"Recovered model {MODEL}" in described
+    await eventually(recovered, what="the recovery to show", within=30)
+
+    async def recovery_posted() -> bool:
+        described = await asyncio.to_thread(stack.kubectl, "describe", "pp", "router")
+        return f"Recovered model {MODEL}" in described
+
+    await eventually(recovery_posted, what="the Recovered event", within=20)
 
     # A pod that stops: its report expires (TTL 6 s); the other's stays.
     await stop(stack.processes["proxy-b"])
@@ -168,7 +178,7 @@ async def test_a_fault_shows_as_tripped_on_the_resource_and_recovers(stack: Stac
     async def expired() -> bool:
         return _pods(await stack.pp()) == {"proxy-a"}
 
-    await _eventually(expired, "proxy-b's report to expire")
+    await eventually(expired, what="proxy-b's report to expire", within=20)
 
 
 async def test_an_api_server_outage_does_not_disturb_routing_and_status_resumes(
@@ -177,7 +187,7 @@ async def test_an_api_server_outage_does_not_disturb_routing_and_status_resumes(
     async def both_report() -> bool:
         return _pods(await stack.pp()) == {"proxy-a", "proxy-b"}
 
-    await _eventually(both_report, "both pods' reports")
+    await eventually(both_report, what="both pods' reports", within=20)
     await asyncio.to_thread(stack.plane.stop_apiserver)
     try:
         assert await stack.send("proxy-a", 3) == [200, 200, 200]
@@ -191,5 +201,7 @@ async def test_an_api_server_outage_does_not_disturb_routing_and_status_resumes(
     async def shows_tripped() -> bool:
         return _tripped(await stack.pp()).get("status") == "True"
 
-    took = await _eventually(shows_tripped, "the trip to reach the resource after the outage")
+    took = await eventually(
+        shows_tripped, what="the trip to reach the resource after the outage", within=20
+    )
     print(f"\nstatus resumed {took * 1000:.0f} ms after the API server came back")

@@ -14,7 +14,8 @@ import pytest
 
 from rolegate_cli.controlplane import ControlPlane, free_port
 
-from .processes import ready, served_roles, start_cli, stop, until
+from ..waiting import eventually, seconds_until
+from .processes import ready, served_roles, start_cli, stop
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -49,7 +50,9 @@ async def stack(crds: ControlPlane, namespace: str) -> AsyncIterator[str]:
             )
         )
         url = f"http://127.0.0.1:{port}"
-        await until(lambda: ready(url), within=30, what="the operator's ConfigMap to be served")
+        await eventually(
+            lambda: ready(url), what="the operator's ConfigMap to be served", within=30
+        )
         yield url
     finally:
         for process in reversed(processes):
@@ -104,5 +107,5 @@ async def test_apply_serve_and_change_a_ruling(
     async def changed() -> bool:
         return (await served_roles(stack))["reflex"]["ruling"] == "Order"
 
-    took = await until(changed, within=15, what="the new ruling to be served")
+    took = await seconds_until(changed, what="the new ruling to be served", within=15)
     print(f"\nruling change served {took * 1000:.0f} ms after kubectl patch returned")

@@ -15,7 +15,8 @@ import pytest
 from rolegate_cli.controlplane import ControlPlane, free_port
 
 from ..support import SimFactory, compile_objects, provider_policy, role, role_table
-from .processes import ready, served_roles, start_cli, stop, until
+from ..waiting import eventually, seconds_until
+from .processes import ready, served_roles, start_cli, stop
 
 MODEL = "vendor/model-a"
 REPLY = " ".join(f"w{i}" for i in range(60))
@@ -84,7 +85,7 @@ async def proxy(control_plane: ControlPlane, namespace: str, apply: Apply) -> As
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        await until(lambda: ready(url), within=20, what="the proxy to load the ConfigMap")
+        await eventually(lambda: ready(url), what="the proxy to load the ConfigMap", within=20)
         yield url
     finally:
         await stop(process)
@@ -103,7 +104,7 @@ async def test_changes_are_served_within_seconds(proxy: str, apply: Apply) -> No
         async def served(wanted: str = wanted) -> bool:
             return wanted in await _roles(proxy)
 
-        delays.append(await until(served, within=10, what=f"role {wanted} to be served"))
+        delays.append(await seconds_until(served, what=f"role {wanted} to be served", within=10))
     median, worst = statistics.median(delays), max(delays)
     print(f"\nreload after kubectl apply, 20 changes: median {median * 1000:.0f} ms, "
           f"worst {worst * 1000:.0f} ms")  # fmt: skip
@@ -129,7 +130,7 @@ async def test_a_stream_started_before_a_change_completes_intact(proxy: str, app
                 async def swapped() -> bool:
                     return await _roles(proxy) == ["other"]
 
-                await until(swapped, within=10, what="the new configuration")
+                await eventually(swapped, what="the new configuration", within=10)
     assert changed
     text = "".join(
         choice["delta"].get("content") or ""
@@ -148,12 +149,19 @@ async def test_an_api_server_outage_does_not_stop_routing(
     await asyncio.to_thread(control_plane.stop_apiserver)
     try:
         async with httpx.AsyncClient(timeout=30) as client:
-            for _ in range(3):
+
+            async def answered() -> bool:
                 response = await client.post(f"{proxy}/v1/chat/completions", json=request)
-                assert response.status_code == 200
-                await asyncio.sleep(0.5)
-            metrics = (await client.get(f"{proxy}/metrics")).text
-        assert "rolegate_kube_api_up 0.0" in metrics
+                return response.status_code == 200
+
+            async def noticed() -> bool:
+                metrics = (await client.get(f"{proxy}/metrics")).text
+                return "rolegate_kube_api_up 0.0" in metrics
+
+            # Served while the proxy has not yet noticed, and after it has.
+            assert await answered()
+            await eventually(noticed, what="the proxy to notice the outage", within=20)
+            assert all(await asyncio.gather(answered(), answered()))
     finally:
         await asyncio.to_thread(control_plane.start_apiserver)
     await apply(["base", "after-outage"])
@@ -161,5 +169,5 @@ async def test_an_api_server_outage_does_not_stop_routing(
     async def caught_up() -> bool:
         return "after-outage" in await _roles(proxy)
 
-    delay = await until(caught_up, within=15, what="the change made after the outage")
+    delay = await seconds_until(caught_up, what="the change made after the outage", within=15)
     print(f"\nchange after the API server returned served in {delay * 1000:.0f} ms")

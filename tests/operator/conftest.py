@@ -9,17 +9,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import pytest
 
 from rolegate_cli.controlplane import REPO_ROOT, ControlPlane
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -125,24 +122,3 @@ def start_operator(cluster: Cluster, tmp_path: Path) -> Iterator[StartOperator]:
         code = process.stop()
         # Shown only when the test fails.
         print(f"--- operator {number} (exit {code}) ---\n{process.log()}")
-
-
-def wait_for(
-    probe: Callable[[], T | None],
-    what: str,
-    *,
-    within: float = 20.0,
-    operator: OperatorProcess | None = None,
-) -> T:
-    """Poll `probe` until it returns something truthy; fail after `within` seconds."""
-    deadline = time.monotonic() + within
-    last: T | None = None
-    while True:
-        if operator is not None:
-            operator.check_alive()
-        last = probe()
-        if last:
-            return last
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {within}s: {what} (last: {last!r})")
-        time.sleep(0.1)

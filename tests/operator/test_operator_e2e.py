@@ -21,7 +21,8 @@ from rolegate_policy.config import ProxyConfig
 from rolegate_policy.manifests import manifest_from_object
 from tests.policy.builders import provider, role, role_table
 
-from .conftest import Cluster, StartOperator, wait_for
+from ..waiting import wait_for
+from .conftest import Cluster, StartOperator
 
 CONFIGMAP = "rolegate-config"
 ROUTER = provider(
@@ -118,7 +119,7 @@ def test_resources_compile_into_the_configmap_and_are_accepted(
     expected = expected_config(cluster, ROUTER, TABLE_A, TABLE_B)
 
     configmap = wait_for(
-        lambda: configmap_with(cluster, expected.hash), "the compiled ConfigMap", operator=operator
+        lambda: configmap_with(cluster, expected.hash), "the compiled ConfigMap", alive=[operator]
     )
     assert configmap["data"] == {"config.json": expected.to_canonical_json()}
     assert ProxyConfig.from_json(configmap["data"]["config.json"]) == expected
@@ -128,7 +129,7 @@ def test_resources_compile_into_the_configmap_and_are_accepted(
         obj = wait_for(
             partial(observed, cluster, resource, name, "True", 1),
             f"{resource}/{name} Accepted=True",
-            operator=operator,
+            alive=[operator],
         )
         condition = accepted_condition(obj)
         assert condition is not None
@@ -165,7 +166,7 @@ def test_an_invalid_edit_is_reported_and_the_last_good_configuration_stays(
         name: wait_for(
             partial(observed, cluster, resource, name, "True", 1),
             f"{name} accepted",
-            operator=operator,
+            alive=[operator],
         )
         for resource, name in (("pp", "router"), ("rt", "roles-b"))
     }
@@ -179,7 +180,7 @@ def test_an_invalid_edit_is_reported_and_the_last_good_configuration_stays(
     rejected = wait_for(
         lambda: observed(cluster, "rt", "roles-a", "False", 2),
         "roles-a Accepted=False at generation 2",
-        operator=operator,
+        alive=[operator],
     )
     condition = accepted_condition(rejected)
     assert condition is not None
@@ -213,7 +214,7 @@ def test_an_invalid_edit_is_reported_and_the_last_good_configuration_stays(
     wait_for(
         lambda: observed(cluster, "rt", "roles-a", "True", 3),
         "roles-a Accepted=True at generation 3",
-        operator=operator,
+        alive=[operator],
     )
     wait_for(lambda: configmap_with(cluster, recovered.hash), "the recovered ConfigMap")
     # One Warning for the one rejection, one Normal for the recovery; none repeated.
@@ -277,7 +278,7 @@ def test_proxy_owned_status_survives_the_operators_writes(
             return None
         return obj
 
-    after = wait_for(settled, "router generation 2, tripped", operator=operator)
+    after = wait_for(settled, "router generation 2, tripped", alive=[operator])
     status = after["status"]
     assert [c["type"] for c in status["conditions"]] == ["Accepted", "Tripped"]
     assert status["conditions"][1]["reason"] == "EmptyResponses"
@@ -301,7 +302,7 @@ def test_deleting_a_resource_drops_it_and_a_restart_rewrites_nothing(
     wait_for(
         lambda: configmap_with(cluster, expected_config(cluster, ROUTER, TABLE_A, TABLE_B).hash),
         "the first ConfigMap",
-        operator=operator,
+        alive=[operator],
     )
     cluster.delete("rt", "roles-b")
     smaller = expected_config(cluster, ROUTER, TABLE_A)
@@ -319,7 +320,7 @@ def test_deleting_a_resource_drops_it_and_a_restart_rewrites_nothing(
     port = free_port()
     restarted = start_operator("--namespace", cluster.namespace, "--liveness-port", str(port))
     wait_for(lambda: "pass done" in restarted.log(), "the first pass after the restart")
-    health = wait_for(partial(liveness, port), "the liveness endpoint", operator=restarted)
+    health = wait_for(partial(liveness, port), "the liveness endpoint", alive=[restarted])
     assert health["rolegate-config-hash"] == smaller.hash
     assert "initial sync done resources=2" in restarted.log()
     assert "configmap=unchanged statuses_written=0" in restarted.log()
@@ -339,9 +340,8 @@ def test_status_writes_resume_after_an_api_server_outage(
     cluster.apply(ROUTER)
     cluster.apply(TABLE_A)
     operator = start_operator()
-    wait_for(lambda: observed(cluster, "rt", "roles-a", "True", 1), "accepted", operator=operator)
-    # Killed, not stopped: a crash is the harsher outage (and a graceful stop waits ~20 s
-    # for the open watches).
+    wait_for(lambda: observed(cluster, "rt", "roles-a", "True", 1), "accepted", alive=[operator])
+    # Killed, not stopped: a crash is the harsher outage (the other outage tests stop it).
     apiserver = cluster.plane.apiserver
     assert apiserver is not None
     apiserver.kill()
@@ -351,7 +351,7 @@ def test_status_writes_resume_after_an_api_server_outage(
         wait_for(
             lambda: "Watcher for" in operator.log() or "failed" in operator.log(),
             "the operator noticing the outage",
-            operator=operator,
+            alive=[operator],
         )
     finally:
         cluster.plane.start_apiserver()
@@ -360,5 +360,5 @@ def test_status_writes_resume_after_an_api_server_outage(
         lambda: observed(cluster, "rt", "roles-a", "True", 2),
         "generation 2 accepted after the outage",
         within=45,
-        operator=operator,
+        alive=[operator],
     )

@@ -17,7 +17,8 @@ import yaml
 from rolegate_cli.controlplane import REPO_ROOT, free_port
 from tests.policy.builders import provider, role, role_table
 
-from .conftest import Cluster, StartOperator, wait_for
+from ..waiting import wait_for
+from .conftest import Cluster, StartOperator
 from .test_operator_e2e import accepted_condition, observed
 
 DOCS = REPO_ROOT / "docs" / "operator.md"
@@ -59,12 +60,12 @@ def test_the_documented_role_is_all_it_needs(
         kubeconfig=service_account_kubeconfig(cluster, "rolegate-operator", tmp_path / "sa")
     )
     wait_for(
-        lambda: observed(cluster, "rt", "roles", "True", 1), "accepted as the SA", operator=operator
+        lambda: observed(cluster, "rt", "roles", "True", 1), "accepted as the SA", alive=[operator]
     )
     wait_for(lambda: cluster.find("configmap", "rolegate-config"), "the ConfigMap")
     # A rejection exercises the Event write too.
     cluster.apply(role_table("roles", role("agent", models=["nope"]), namespace=None))
-    wait_for(lambda: observed(cluster, "rt", "roles", "False", 2), "rejected", operator=operator)
+    wait_for(lambda: observed(cluster, "rt", "roles", "False", 2), "rejected", alive=[operator])
     wait_for(
         lambda: [e for e in cluster.events("roles") if e["reason"] == "NoServedModel"],
         "the Warning Event",
@@ -93,7 +94,7 @@ def test_all_namespaces_compiles_resources_from_every_namespace(
     table = wait_for(
         lambda: observed(cluster, "rt", f"roles-{suffix}", "True", 1),
         "the RoleTable accepted against the other namespace's policy",
-        operator=operator,
+        alive=[operator],
     )
     assert accepted_condition(table) is not None
 
@@ -106,7 +107,7 @@ def test_all_namespaces_compiles_resources_from_every_namespace(
             f"router-{suffix}" in {p["name"] for p in compiled["providers"]}
         )
 
-    wait_for(served, "the role and provider in the ConfigMap", operator=operator)
+    wait_for(served, "the role and provider in the ConfigMap", alive=[operator])
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

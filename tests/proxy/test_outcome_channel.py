@@ -28,6 +28,8 @@ from rolegate_proxy.outcomes import (
     Skip,
 )
 
+from ..waiting import eventually
+
 
 def _outcome(request_id: str, kind: OutcomeKind = OutcomeKind.ANSWERED) -> Outcome:
     return Outcome(
@@ -253,12 +255,13 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_bytes().splitlines()]
 
 
-async def _until(predicate: Callable[[], object], within: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"not reached within {within}s")
-        await asyncio.sleep(0.005)
+async def _until(predicate: Callable[[], object]) -> None:
+    """Until the exporter (a background task of this loop) has got as far as `predicate`."""
+
+    async def holds() -> bool:
+        return bool(predicate())
+
+    await eventually(holds, what="the exporter's progress", every=0.005)
 
 
 async def _stop(task: asyncio.Task[None]) -> None:
@@ -357,7 +360,8 @@ async def test_a_batch_being_written_when_the_exporter_stops_is_not_lost(tmp_pat
         for _ in range(5):
             await asyncio.sleep(0)  # the writer wakes and hands its write to the pool
         task.cancel()  # the shutdown lands while the write waits for a thread
-        await asyncio.sleep(0.05)
+        for _ in range(5):
+            await asyncio.sleep(0)  # the exporter takes the cancellation in its next steps
     finally:
         gate.set()
         await busy

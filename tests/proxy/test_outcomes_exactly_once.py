@@ -33,7 +33,9 @@ from ..support import (
     role,
     role_table,
     sim_records,
+    wait_for_sim_record,
 )
+from ..waiting import eventually
 
 MODEL = "vendor/model-a"  # the faulty machine's model, first in the role with a fallback
 SOLO = "vendor/model-solo"  # the faulty machine's model in the role without one
@@ -42,6 +44,11 @@ SPARE = "vendor/model-b"  # the healthy fallback, on a provider of its own
 REPLY = "one two three four five six seven café eight nine — ten eleven twelve"
 PROMPT: Any = [{"role": "user", "content": "say the numbers"}]
 PATIENCE = 2.0  # half of it bounds a silent upstream: stalls cost about a second
+# The roles expect answers the size of REPLY, not the default 512 tokens: the patience test
+# must refuse a machine for a fault, never for the speed a loaded test machine measured
+# (512 tokens at the 80-150 tok/s that splitWrites' pauses measure under load is longer than
+# the patience, and the second wave would skip the machine).
+ANSWER_SIZE = {"expectedOutputTokens": 32}
 
 # Breakers that never trip within a test: every request meets the fault itself (hard
 # exclusions, a 429's, still apply), so each request's path, and its outcome, is fixed.
@@ -64,8 +71,9 @@ WITH_FALLBACK: dict[str, dict[str, Any]] = {
     "empty": {},
     "mojibake": {},
     "replacementChar": {},
-    # Slow enough to be a collapse, fast enough that the rate it teaches (512 tokens
-    # expected) stays within the patience: the machine is not refused on the second wave.
+    # Slow enough to be a collapse, fast enough that the rate it teaches (ANSWER_SIZE
+    # tokens expected) stays within the patience: the machine is not refused on the second
+    # wave.
     "rateCollapse": {"afterTokens": 3, "tokensPerSecond": 400},
     "splitWrites": {},
     "down": {},
@@ -166,16 +174,14 @@ async def _ask(url: str, role_name: str, stream: bool, request_id: str) -> Seen:
             return Seen(broken=True)  # an error event after content: the stream broke
 
 
-async def _export_lines(path: Path, count: int, within: float = 10.0) -> list[dict[str, Any]]:
-    """The export file's records once it holds `count` of them (bounded wait)."""
-    deadline = asyncio.get_running_loop().time() + within
-    while True:
+async def _export_lines(path: Path, count: int) -> list[dict[str, Any]]:
+    """The export file's records once it holds `count` of them."""
+
+    async def enough() -> list[dict[str, Any]] | None:
         lines = _read_export(path)
-        if len(lines) >= count:
-            return lines
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{len(lines)} exported outcomes within {within}s, not {count}")
-        await asyncio.sleep(0.02)
+        return lines if len(lines) >= count else None
+
+    return await eventually(enough, what=f"{count} exported outcomes")
 
 
 def _read_export(path: Path) -> list[dict[str, Any]]:
@@ -249,8 +255,8 @@ async def test_every_request_has_exactly_one_outcome_under_each_fault(
             provider_policy("solo", f"{sim.url}/v1", {SOLO: ["bad"]}, breaker=STEADY_BREAKER),
             provider_policy("spare", f"{sim.url}/v1", {SPARE: ["good"]}),
             role_table(
-                role("backed", [MODEL, SPARE], patience=PATIENCE),
-                role("alone", [SOLO], patience=PATIENCE),
+                {**role("backed", [MODEL, SPARE], patience=PATIENCE), **ANSWER_SIZE},
+                {**role("alone", [SOLO], patience=PATIENCE), **ANSWER_SIZE},
             ),
         ],
         outcome_export=str(export),
@@ -317,13 +323,13 @@ async def test_every_request_has_exactly_one_outcome_under_each_fault(
 
 async def _one_machine_proxy(
     sim_server: SimFactory, proxy_server: ProxyFactory, export: Path, **machine: Any
-) -> RunningProxy:
+) -> tuple[RunningSim, RunningProxy]:
     long_reply = " ".join(f"word{i}" for i in range(200))
     sim = await sim_server(
         {"seed": 1, "models": [{"name": MODEL, "reply": long_reply,
                                 "machines": [{"name": "m1", **machine}]}]}
     )  # fmt: skip
-    return await proxy_server(
+    return sim, await proxy_server(
         [
             provider_policy("agg", f"{sim.url}/v1", {MODEL: ["m1"]}),
             role_table(role("agent", [MODEL], patience=30)),
@@ -348,7 +354,7 @@ async def test_a_client_that_leaves_mid_stream_has_one_cancelled_outcome(
     sim_server: SimFactory, proxy_server: ProxyFactory, tmp_path: Path
 ) -> None:
     export = tmp_path / "outcomes.jsonl"
-    proxy = await _one_machine_proxy(
+    _, proxy = await _one_machine_proxy(
         sim_server, proxy_server, export, ttftSeconds=0, tokensPerSecond=20
     )
     contents = 0
@@ -380,7 +386,7 @@ async def _leave_before_the_first_token(
     """A client that gives up on a machine whose first token is 20 s away: its record."""
     export = tmp_path / "outcomes.jsonl"
     late = [{"kind": "lateFirstToken", "always": True, "seconds": 20}]
-    proxy = await _one_machine_proxy(sim_server, proxy_server, export, faults=late)
+    sim, proxy = await _one_machine_proxy(sim_server, proxy_server, export, faults=late)
     async with httpx.AsyncClient() as client:
         request = asyncio.create_task(
             client.post(
@@ -389,8 +395,9 @@ async def _leave_before_the_first_token(
                 headers={"X-Request-Id": "leaves-early"},
             )
         )
-        await asyncio.sleep(0.2)
-        assert not request.done()  # still waiting for the first token
+        # The proxy's attempt has reached the machine, which holds its first token back.
+        await wait_for_sim_record(sim.url, lambda record: record["outcome"] == "in_progress")
+        assert not request.done()
         request.cancel()  # the client gives up: its connection is closed
         with pytest.raises(asyncio.CancelledError):
             await request

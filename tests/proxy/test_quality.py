@@ -7,7 +7,6 @@ decision, no export involved); the semantic score stays null until an evaluator 
 
 from __future__ import annotations
 
-import asyncio
 import statistics
 from typing import Any
 
@@ -24,6 +23,7 @@ from ..support import (
     role_table,
     sim_records,
 )
+from ..waiting import eventually
 
 MODEL = "vendor/model-a"
 TOKEN = "admin-token-for-tests"
@@ -130,16 +130,12 @@ async def test_feedback_moves_only_the_semantic_score_of_the_machine_that_served
 async def outcomes_for(client: httpx.AsyncClient, url: str, count: int) -> None:
     """Wait until `count` outcomes reached the decision log (the channel drains on the
     loop's next turn after the response)."""
-    for _ in range(500):
+
+    async def enough() -> bool:
         found = (await client.get(f"{url}/v1/rolegate/decisions", headers=ADMIN)).json()
-        if len(found["decisions"]) >= count:
-            return
-        await _pause()
-    raise AssertionError(f"fewer than {count} outcomes reached the log")
+        return len(found["decisions"]) >= count
 
-
-async def _pause() -> None:
-    await asyncio.sleep(0.01)
+    await eventually(enough, what=f"{count} outcomes in the decision log")
 
 
 @pytest.mark.parametrize(

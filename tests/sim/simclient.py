@@ -15,6 +15,8 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from rolegate_sim.server import RunningSim
 
+from ..waiting import eventually
+
 # The `start_sim` fixture: start a simulator for this scenario dict, stopped after the test.
 StartSim = Callable[[dict[str, Any]], Awaitable[RunningSim]]
 
@@ -102,18 +104,14 @@ async def records(session: aiohttp.ClientSession, url: str) -> list[dict[str, An
         return result
 
 
-async def finished_record(
-    session: aiohttp.ClientSession, url: str, within: float = 3.0
-) -> dict[str, Any]:
+async def finished_record(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     """The latest record once its outcome is final (the handler may still be unwinding)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
+
+    async def finished() -> dict[str, Any] | None:
         latest = (await records(session, url))[-1]
-        if latest["outcome"] != "in_progress":
-            return latest
-        assert loop.time() < deadline, f"record never finished: {latest}"
-        await asyncio.sleep(0.01)
+        return latest if latest["outcome"] != "in_progress" else None
+
+    return await eventually(finished, what="the latest simulator record to finish")
 
 
 @dataclass
