@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,14 @@ from .waiting import eventually
 
 SimFactory = Callable[[dict[str, Any]], Awaitable[RunningSim]]
 ProxyFactory = Callable[..., Awaitable[RunningProxy]]
+
+
+def interruptible() -> None:
+    """`preexec_fn` for a child process a test sends Ctrl-C (SIGINT): the signal as a
+    terminal delivers it. A runner that started the suite in the background (a CI job,
+    `make test &`) leaves SIGINT ignored, and a program that starts with it ignored is
+    right never to catch it (bash cannot even trap it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def provider_policy(

@@ -312,9 +312,11 @@ def run_dev_cluster() -> int:
     bin_dir = installed_binaries()
     root = scratch_dir()
     plane = ControlPlane(bin_dir=bin_dir, root=root)
-    # Installed before the first child starts, so no signal can leave one running.
-    for stop_signal in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(stop_signal, _stop_on_signal)
+    # Installed before the first child starts, so no signal can leave one running. A
+    # hangup ignored on entry (nohup) stays ignored; Ctrl-C is Python's KeyboardInterrupt.
+    signal.signal(signal.SIGTERM, _stop_on_signal)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _stop_on_signal)
     try:
         plane.start()
         print(

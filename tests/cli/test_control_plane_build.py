@@ -18,13 +18,14 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from rolegate_cli.controlplane import BUILD_SCRIPT, TOOLS, ControlPlaneError, installed_binaries
 
+from ..support import interruptible
 from ..waiting import wait_for
 
 FAKE_GO = r"""#!/usr/bin/env bash
@@ -57,6 +58,7 @@ class Build:
     cache: Path
     log: Path
     env: dict[str, str]
+    processes: list[subprocess.Popen[str]] = field(default_factory=list)
 
     @property
     def bin_dir(self) -> Path:
@@ -67,13 +69,16 @@ class Build:
         return Path(out.strip())
 
     def start(self, **env: str) -> subprocess.Popen[str]:
-        return subprocess.Popen(
+        process = subprocess.Popen(
             ["bash", str(BUILD_SCRIPT)],
             env={**self.env, **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=interruptible,
         )
+        self.processes.append(process)
+        return process
 
     def run(self, **env: str) -> subprocess.CompletedProcess[str]:
         process = self.start(**env)
@@ -115,7 +120,12 @@ def build(tmp_path: Path) -> Iterator[Build]:
     }
     made = Build(cache, log, env)
     yield made
-    for pid in made.started_pids():  # only if a test failed: the script stops them itself
+    # Only a failed test leaves anything running: the script stops its children itself.
+    for process in made.processes:
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+    for pid in made.started_pids():
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

@@ -18,6 +18,8 @@ import pytest
 
 from rolegate_cli.controlplane import installed_binaries
 
+from ..support import interruptible
+
 
 @dataclass
 class DevCluster:
@@ -71,7 +73,7 @@ def _read_until_ready(process: subprocess.Popen[str], within: float = 45) -> str
 def dev_cluster() -> Iterator[DevCluster]:
     process = subprocess.Popen(
         [sys.executable, "-m", "rolegate_cli.main", "dev-cluster"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible,
     )  # fmt: skip
     children: dict[str, int] = {}
     try:
