@@ -185,9 +185,12 @@ async def _export_lines(path: Path, count: int) -> list[dict[str, Any]]:
 
 
 def _read_export(path: Path) -> list[dict[str, Any]]:
+    """The export's complete records: the exporter writes from a worker thread, so a reader
+    can catch its last line half written (no newline yet), which is not a record yet."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_bytes().splitlines()]
+    complete, _, _partial = path.read_bytes().rpartition(b"\n")
+    return [json.loads(line) for line in complete.splitlines()]
 
 
 async def _exactly_once(
