@@ -56,6 +56,9 @@ async def proxy_server() -> AsyncIterator[ProxyFactory]:
         # Exploration (a machine other than the best leading 2 % of decisions) is off
         # unless a test asks for it: most tests assert which machine leads.
         settings.setdefault("explore_share", 0.0)
+        # Jitter, backoff and the ranking's dither from a seeded stream: a failing test
+        # fails the same way on every run.
+        settings.setdefault("random_seed", 0)
         config = compile_objects(objects)
         proxy = await start_proxy(ProxySettings(host="127.0.0.1", port=0, **settings), config)
         running.append(proxy)
