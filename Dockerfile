@@ -35,7 +35,7 @@ COPY cli/ cli/
 # does to the sources' timestamps.
 RUN /opt/rolegate/bin/pip install --no-cache-dir -c constraints.txt . \
  && /opt/rolegate/bin/pip uninstall --yes setuptools wheel pip \
- && /opt/rolegate/bin/python -c "import rolegate_cli.main, rolegate_operator.main, rolegate_proxy.server, rolegate_sim.server" \
+ && /opt/rolegate/bin/python -c "import rolegate_cli.main, rolegate_operator.main, rolegate_proxy.edge.server, rolegate_sim.server" \
  && /opt/rolegate/bin/python -m compileall -q -f --invalidation-mode unchecked-hash /opt/rolegate/lib \
  && /opt/rolegate/bin/rolegate --help > /dev/null
 

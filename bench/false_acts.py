@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rolegate_policy.compile import compile_manifests
 from rolegate_policy.manifests import manifest_from_object
-from rolegate_proxy.server import start as start_proxy
-from rolegate_proxy.settings import ProxySettings
+from rolegate_proxy.edge.server import start as start_proxy
+from rolegate_proxy.edge.settings import ProxySettings
 from rolegate_sim.scenario import parse_scenario
 from rolegate_sim.server import start as start_sim
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from bench_report import publish, where_it_ran
 
-from rolegate_proxy.decisions import Decision
-from rolegate_proxy.outcomes import (
+from rolegate_proxy.core.decisions import Decision
+from rolegate_proxy.core.outcomes import (
     DEFAULT_CAPACITY,
     Arm,
     ArmAct,

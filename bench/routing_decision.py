@@ -43,13 +43,13 @@ from rolegate_policy.config import (
     Visibility,
     with_hash,
 )
-from rolegate_proxy.beliefs import GapStats, Ledger, MachineKey, Sighting
-from rolegate_proxy.breaker import Breakers, Outcome, TransportFault
-from rolegate_proxy.chooser import Chooser, Fate
-from rolegate_proxy.decisions import Decision
-from rolegate_proxy.routing import plan_candidates
-from rolegate_proxy.score import ObservationKind, Scoreboard, ScoreScale
-from rolegate_proxy.verdicts import OK
+from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
+from rolegate_proxy.core.breaker import Breakers, Outcome, TransportFault
+from rolegate_proxy.core.chooser import Chooser, Fate
+from rolegate_proxy.core.decisions import Decision
+from rolegate_proxy.core.routing import plan_candidates
+from rolegate_proxy.core.score import ObservationKind, Scoreboard, ScoreScale
+from rolegate_proxy.core.verdicts import OK
 
 PROVIDER, MODEL = "openrouter", "qwen/qwen3-coder"
 MACHINES = 50

@@ -12,9 +12,9 @@ import pytest
 
 from rolegate_cli.controlplane import REPO_ROOT, ControlPlane, installed_binaries, scratch_dir
 from rolegate_policy.crds import RESOURCES
-from rolegate_proxy.server import RunningProxy
-from rolegate_proxy.server import start as start_proxy
-from rolegate_proxy.settings import ProxySettings
+from rolegate_proxy.edge.server import RunningProxy
+from rolegate_proxy.edge.server import start as start_proxy
+from rolegate_proxy.edge.settings import ProxySettings
 from rolegate_sim.scenario import parse_scenario
 from rolegate_sim.server import RunningSim
 from rolegate_sim.server import start as start_sim

@@ -17,8 +17,8 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 from rolegate_policy.manifests import manifest_from_object
-from rolegate_proxy.outcomes import Outcome
-from rolegate_proxy.server import RunningProxy
+from rolegate_proxy.core.outcomes import Outcome
+from rolegate_proxy.edge.server import RunningProxy
 from rolegate_sim.server import RunningSim
 
 from .waiting import eventually

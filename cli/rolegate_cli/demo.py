@@ -25,11 +25,11 @@ import httpx
 import openai
 
 from rolegate_cli.state_table import render_state
-from rolegate_proxy.exclusions import Transition
-from rolegate_proxy.server import RunningProxy
-from rolegate_proxy.server import start as start_proxy
-from rolegate_proxy.settings import ProxySettings
-from rolegate_proxy.standalone import load_standalone_config
+from rolegate_proxy.core.exclusions import Transition
+from rolegate_proxy.edge.server import RunningProxy
+from rolegate_proxy.edge.server import start as start_proxy
+from rolegate_proxy.edge.settings import ProxySettings
+from rolegate_proxy.edge.standalone import load_standalone_config
 from rolegate_sim.scenario import load_scenario
 from rolegate_sim.server import RunningSim
 from rolegate_sim.server import start as start_sim

@@ -252,10 +252,10 @@ def _float(text: str) -> float:
 
 def _run_proxy(args: argparse.Namespace) -> int:
     from rolegate_policy.config import ProxyConfig
-    from rolegate_proxy.configmap_source import ConfigMapSource
-    from rolegate_proxy.server import serve
-    from rolegate_proxy.settings import ProxySettings
-    from rolegate_proxy.standalone import StandaloneConfigError, load_standalone_config
+    from rolegate_proxy.edge.configmap_source import ConfigMapSource
+    from rolegate_proxy.edge.server import serve
+    from rolegate_proxy.edge.settings import ProxySettings
+    from rolegate_proxy.edge.standalone import StandaloneConfigError, load_standalone_config
 
     source: ConfigMapSource | None = None
     if args.configmap is not None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from rolegate_policy.config import (
     ProxyConfig,
 )
-from rolegate_proxy.beliefs import (
+from rolegate_proxy.core.beliefs import (
     GapStats,
     Ledger,
     LedgerSettings,

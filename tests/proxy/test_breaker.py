@@ -15,11 +15,11 @@ import pytest
 
 from rolegate_policy.config import BreakerSettings, DegradedOutputSettings, TransportScope
 from rolegate_policy.crds import CAMEL_CASE_PATTERN
-from rolegate_proxy import breaker as breaker_module
-from rolegate_proxy import evidence as evidence_module
-from rolegate_proxy import exclusions as exclusions_module
-from rolegate_proxy import verdicts as verdicts_module
-from rolegate_proxy.breaker import (
+from rolegate_proxy.core import breaker as breaker_module
+from rolegate_proxy.core import evidence as evidence_module
+from rolegate_proxy.core import exclusions as exclusions_module
+from rolegate_proxy.core import verdicts as verdicts_module
+from rolegate_proxy.core.breaker import (
     BURST_SECONDS,
     PROBE_LEASE_SECONDS,
     Admission,
@@ -27,7 +27,7 @@ from rolegate_proxy.breaker import (
     Outcome,
     TransportFault,
 )
-from rolegate_proxy.exclusions import (
+from rolegate_proxy.core.exclusions import (
     MAX_RETRY_AFTER_SECONDS,
     BreakerKey,
     BreakerState,
@@ -42,7 +42,7 @@ from rolegate_proxy.exclusions import (
     is_request_fault,
     parse_retry_after,
 )
-from rolegate_proxy.verdicts import ASCII_PROMPT, PromptProfile, Verdict, judge, profile_texts
+from rolegate_proxy.core.verdicts import ASCII_PROMPT, PromptProfile, Verdict, judge, profile_texts
 
 NO_JITTER = BreakerSettings(jitter_fraction=0.0)
 MOJIBAKE = bytes.fromhex("c3a2c280c294").decode("utf-8")  # a double-encoded em dash

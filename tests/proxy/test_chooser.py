@@ -22,15 +22,15 @@ from rolegate_policy.config import (
     Ruling,
     Visibility,
 )
-from rolegate_proxy.beliefs import GapStats, Ledger, MachineKey, Sighting
-from rolegate_proxy.breaker import Breakers, Outcome
-from rolegate_proxy.chooser import (
+from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
+from rolegate_proxy.core.breaker import Breakers, Outcome
+from rolegate_proxy.core.chooser import (
     Chooser,
     Fate,
 )
-from rolegate_proxy.exclusions import Exclusion
-from rolegate_proxy.routing import Candidate, plan_candidates
-from rolegate_proxy.score import ObservationKind, ScoreScale
+from rolegate_proxy.core.exclusions import Exclusion
+from rolegate_proxy.core.routing import Candidate, plan_candidates
+from rolegate_proxy.core.score import ObservationKind, ScoreScale
 
 AGG, DIRECT = "openrouter", "localvllm"
 NEMO, CODER = "mistralai/mistral-nemo", "qwen/qwen3-coder"

@@ -12,8 +12,8 @@ import aiohttp
 import httpx
 import pytest
 
-from rolegate_proxy.exclusions import BreakerKey, State
-from rolegate_proxy.server import RunningProxy
+from rolegate_proxy.core.exclusions import BreakerKey, State
+from rolegate_proxy.edge.server import RunningProxy
 
 from ..support import ProxyFactory, SimFactory, provider_policy, role, role_table, sim_records
 

@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 
-from rolegate_proxy.outcome_export import OutcomeExporter
-from rolegate_proxy.outcomes import (
+from rolegate_proxy.core.outcomes import (
     Arm,
     ArmAct,
     ArmResult,
@@ -27,6 +26,7 @@ from rolegate_proxy.outcomes import (
     OutcomeKind,
     Skip,
 )
+from rolegate_proxy.edge.outcome_export import OutcomeExporter
 
 from ..waiting import eventually
 

@@ -21,7 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rolegate_proxy.server import RunningProxy
+from rolegate_proxy.edge.server import RunningProxy
 from rolegate_sim import scenario
 from rolegate_sim.scenario import FAULT_KINDS
 from rolegate_sim.server import RunningSim

@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from rolegate_proxy.outcomes import ArmAct, ArmResult
+from rolegate_proxy.core.outcomes import ArmAct, ArmResult
 
 from ..support import (
     ProxyFactory,

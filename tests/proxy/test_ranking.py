@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rolegate_proxy.beliefs import MachineKey
-from rolegate_proxy.ranking import Entry, Placed, expected_cost, rank
+from rolegate_proxy.core.beliefs import MachineKey
+from rolegate_proxy.core.ranking import Entry, Placed, expected_cost, rank
 
 AGG, MODEL = "openrouter", "qwen/qwen3-coder"
 # Dyadic, so every `behind / tolerance` below is exact in binary.

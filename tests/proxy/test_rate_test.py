@@ -17,9 +17,9 @@ from rolegate_policy.config import (
     Ruling,
     Visibility,
 )
-from rolegate_proxy.beliefs import GapStats, Ledger, MachineKey, Sighting
-from rolegate_proxy.chooser import Alternative
-from rolegate_proxy.rate_test import (
+from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
+from rolegate_proxy.core.chooser import Alternative
+from rolegate_proxy.core.rate_test import (
     Act,
     ActReason,
     ArmEnd,

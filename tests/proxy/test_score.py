@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rolegate_proxy.beliefs import MachineKey
-from rolegate_proxy.score import (
+from rolegate_proxy.core.beliefs import MachineKey
+from rolegate_proxy.core.score import (
     ObservationKind,
     RunningScore,
     Scoreboard,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rolegate_proxy.sse import EventFramer, MalformedEvent, decode_event_json
+from rolegate_proxy.wire.sse import EventFramer, MalformedEvent, decode_event_json
 
 TEXT = "em dash — café naïve 日本語のテキスト 🚀 done"
 

@@ -13,8 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rolegate_policy.config import CompiledRole, Ruling, Visibility
-from rolegate_proxy.chat_request import validate_chat_request
-from rolegate_proxy.verdicts import (
+from rolegate_proxy.core.verdicts import (
     ASCII_PROMPT,
     DOUBLE_ENCODED,
     MAX_PROFILE_CHARS,
@@ -31,6 +30,7 @@ from rolegate_proxy.verdicts import (
     profile_texts,
     signatures,
 )
+from rolegate_proxy.wire.chat_request import validate_chat_request
 
 EM_DASH_DOUBLE_ENCODED = "c3a2c280c294"  # U+2014 as UTF-8 (e2 80 94), read as latin-1, re-encoded
 

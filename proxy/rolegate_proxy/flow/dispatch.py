@@ -25,16 +25,19 @@ from aiohttp import web
 
 from rolegate_policy.config import Dialect, ProxyConfig
 
-from .beliefs import GapStats, Ledger, MachineKey, Sighting
-from .breaker import Breakers, Outcome, TransportFault
-from .chat_request import ChatRequest
-from .chooser import Chooser
-from .decisions import Decision
-from .errors import ProxyError
-from .exclusions import Transition, parse_retry_after
+from ..core.beliefs import GapStats, Ledger, MachineKey, Sighting
+from ..core.breaker import Breakers, Outcome, TransportFault
+from ..core.chooser import Chooser
+from ..core.decisions import Decision
+from ..core.exclusions import Transition, parse_retry_after
+from ..core.outcomes import Arm, ArmAct, ArmResult, OutcomeKind
+from ..core.rate_test import Watch
+from ..core.routing import Attempt, Candidate, plan_candidates
+from ..core.score import Scoreboard
+from ..core.verdicts import Verdict, VerdictKind, VerdictLog, VerdictRow, judge
+from ..wire.chat_request import ChatRequest
+from ..wire.errors import ProxyError
 from .metrics import ProxyMetrics
-from .outcomes import Arm, ArmAct, ArmResult, OutcomeKind
-from .rate_test import Watch
 from .relay import (
     Answer,
     OpenStream,
@@ -47,10 +50,7 @@ from .relay import (
     relay_stream,
     resume_stream,
 )
-from .routing import Attempt, Candidate, plan_candidates
-from .score import Scoreboard
 from .upstream import RequestFault, UpstreamFailure
-from .verdicts import Verdict, VerdictKind, VerdictLog, VerdictRow, judge
 
 OK_VERDICT = Verdict(VerdictKind.OK)
 

@@ -9,8 +9,8 @@ import orjson
 
 from rolegate_policy.config import CompiledRole, ProxyConfig
 
+from ..core.verdicts import PromptProfile, profile_prompt
 from .errors import ProxyError, bad_request
-from .verdicts import PromptProfile, profile_prompt
 
 ROLE_HEADER = "X-Rolegate-Role"
 

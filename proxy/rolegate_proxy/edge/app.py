@@ -5,148 +5,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from rolegate_policy.config import BreakerSettings, DegradedOutputSettings, ProxyConfig
+from rolegate_policy.config import ProxyConfig
 
+from ..core.decisions import Decision
+from ..core.outcomes import Outcome, OutcomeKind
+from ..flow.credentials import KeyStore
+from ..flow.relay import RelayContext
+from ..wire.chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
+from ..wire.errors import ProxyError
 from . import explain
-from .breaker import Breakers
-from .chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
 from .configmap_source import ConfigMapSource
-from .credentials import KeyStore
-from .decisions import Decision, DecisionLog
-from .dispatch import Dispatcher
-from .errors import ProxyError
-from .feedback import ServedIndex
-from .metrics import ProxyMetrics
-from .outcome_export import OutcomeExporter
-from .outcomes import Consumer, Outcome, OutcomeChannel, OutcomeKind
-from .relay import RelayContext
-from .score import Scoreboard, ScoreSettings
-from .score_feed import ScoreFeed
 from .settings import ProxySettings
+from .state import STATE, ProxyState
 from .status_reporter import BreakerReporter
-from .verdicts import VerdictLog
 
 log = logging.getLogger("rolegate.proxy")
 
 BREAKER_TICK_SECONDS = 1.0
-
-
-@dataclass
-class ProxyState:
-    settings: ProxySettings
-    # Replaced as a whole on reload; a request reads it once and keeps its own reference,
-    # so an in-flight request finishes on the configuration it started with (SPEC D3).
-    config: ProxyConfig
-    keys: KeyStore
-    metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
-    session: aiohttp.ClientSession | None = None
-    source: ConfigMapSource | None = None
-    decisions: DecisionLog = field(default_factory=DecisionLog)
-    served: ServedIndex = field(default_factory=ServedIndex)
-    dispatcher: Dispatcher = field(init=False)
-    outcomes: OutcomeChannel = field(init=False)
-    exporter: OutcomeExporter | None = field(init=False, default=None)
-    # The outcome channel's consumers, in order: the score first (the closed loop).
-    consumers: list[Consumer] = field(init=False)
-
-    def __post_init__(self) -> None:
-        settings = self.settings
-        rng = random.Random(settings.random_seed)
-        self.dispatcher = Dispatcher(
-            breakers=Breakers(self._breaker_settings, rng, degraded_for=self._degraded_settings),
-            verdicts=VerdictLog(),
-            rng=rng,
-            metrics=self.metrics,
-            scores=Scoreboard(
-                ScoreSettings(settings.score_full_confidence, settings.score_half_life)
-            ),
-            explore=settings.explore_share,
-        )
-        # The published figures are the ledger's prior (the sheet), reloaded with config.
-        self.dispatcher.ledger.load_sheet(self.config)
-        self.outcomes = OutcomeChannel(settings.outcome_buffer)
-        self.consumers = [
-            ScoreFeed(self.dispatcher.scores, self.dispatcher.now),
-            self.metrics.observe_outcomes,
-            self.decisions,
-            self.served,
-        ]
-        if settings.outcome_export is not None:
-            self.exporter = OutcomeExporter(settings.outcome_export)
-            self.consumers.append(self.exporter)
-        exporter = self.exporter
-        self.metrics.watch_scores(self.dispatcher.scores.rows)
-        self.metrics.watch_counters(
-            {
-                "rolegate_outcomes_emitted": (
-                    "Outcome records emitted: one per finished client request.",
-                    lambda: self.outcomes.emitted,
-                ),
-                "rolegate_outcomes_dropped": (
-                    "Outcome records evicted from the full outcome buffer before a consumer "
-                    "saw them (the channel drops under overload rather than slow a request).",
-                    lambda: self.outcomes.dropped,
-                ),
-                "rolegate_outcome_export_dropped": (
-                    "Outcome records the JSON-lines exporter dropped because its writer fell "
-                    "behind (0 when the export is off).",
-                    lambda: exporter.dropped if exporter is not None else 0,
-                ),
-            }
-        )
-
-    def consume(self) -> int:
-        """Hand every buffered outcome to the consumers; how many there were."""
-        batch = self.outcomes.drain()
-        if batch:
-            for consumer in self.consumers:
-                try:
-                    consumer(batch)
-                except Exception:
-                    # One consumer's bug must not starve the others (or the score).
-                    log.exception("outcome consumer %r failed on a batch", consumer)
-        return len(batch)
-
-    def _breaker_settings(self, provider: str) -> BreakerSettings:
-        found = self.config.provider(provider)
-        return found.breaker if found is not None else BreakerSettings()
-
-    def _degraded_settings(self, provider: str) -> DegradedOutputSettings:
-        found = self.config.provider(provider)
-        return found.degraded_output if found is not None else DegradedOutputSettings()
-
-    async def swap_config(self, config: ProxyConfig) -> None:
-        """Serve `config` from the next request on; requests in flight keep theirs."""
-        if config.hash == self.config.hash:
-            return
-        # Keys for new providers are read before the swap, off the event loop.
-        await asyncio.to_thread(self.keys.refresh, config)
-        previous = self.config
-        self.dispatcher.ledger.load_sheet(config)
-        self.config = config
-        self.metrics.config_hash.labels(config.hash).set(1)
-        if previous.hash:
-            self.metrics.config_hash.remove(previous.hash)
-            self.metrics.config_reloads.inc()
-        log.info(
-            "config swapped hash=%s roles=%d providers=%d",
-            config.hash,
-            len(config.roles),
-            len(config.providers),
-        )
-
-
-STATE = web.AppKey("rolegate_state", ProxyState)
 
 
 def create_app(

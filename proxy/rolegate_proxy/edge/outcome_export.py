@@ -21,7 +21,7 @@ from typing import IO, Final
 
 import orjson
 
-from .outcomes import Outcome
+from ..core.outcomes import Outcome
 
 DEFAULT_QUEUE: Final = 50_000
 STDOUT: Final = "-"

@@ -12,25 +12,20 @@ proxy is given an admin token (`--admin-token-file`), require it as a bearer tok
 from __future__ import annotations
 
 import hmac
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from rolegate_policy.config import ProxyConfig
 
-from .beliefs import MachineKey
-from .errors import ProxyError
+from ..core.beliefs import MachineKey
+from ..core.score import Scoreboard, ScoreView
+from ..wire.errors import ProxyError
 from .feedback import parse_judgment
-from .score import Scoreboard, ScoreView
-
-if TYPE_CHECKING:
-    from .app import ProxyState
+from .state import STATE, ProxyState
 
 
 def _state(request: web.Request) -> ProxyState:
-    # Imported here: app.py registers these handlers, so it cannot be imported above.
-    from .app import STATE
-
     return request.app[STATE]
 
 

@@ -12,9 +12,10 @@ from aiohttp import web
 
 from rolegate_policy.config import ProxyConfig
 
-from .app import STATE, ProxyState, create_app
+from .app import create_app
 from .configmap_source import ConfigMapSource
 from .settings import ProxySettings
+from .state import STATE, ProxyState
 
 
 @dataclass

@@ -9,10 +9,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .exclusions import BreakerState, State, Transition
-from .outcomes import Outcome
-from .score import ScoreRow
-from .verdicts import Verdict, VerdictKind
+from ..core.exclusions import BreakerState, State, Transition
+from ..core.outcomes import Outcome
+from ..core.score import ScoreRow
+from ..core.verdicts import Verdict, VerdictKind
 
 LATENCY_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Label children remembered by `_child` at most (series are bounded by the configuration).

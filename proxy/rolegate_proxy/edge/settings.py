@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .credentials import DEFAULT_SECRETS_DIR
-from .outcomes import DEFAULT_CAPACITY
+from ..core.outcomes import DEFAULT_CAPACITY
+from ..flow.credentials import DEFAULT_SECRETS_DIR
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,15 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from .beliefs import GapStats
-from .breaker import TransportFault
-from .chat_request import ChatRequest
+from ..core.beliefs import GapStats
+from ..core.breaker import TransportFault
+from ..core.rate_test import Act, Watch
+from ..core.routing import Attempt
+from ..core.verdicts import judge
+from ..wire.chat_request import ChatRequest
+from ..wire.sse import Event, EventFramer, MalformedEvent, decode_event_json, encode_event
 from .credentials import KeyStore
 from .metrics import ProxyMetrics
-from .rate_test import Act, Watch
-from .routing import Attempt
-from .sse import Event, EventFramer, MalformedEvent, decode_event_json, encode_event
 from .upstream import (
     UpstreamFailure,
     chat_url,
@@ -39,7 +40,6 @@ from .upstream import (
     upstream_body,
     upstream_headers,
 )
-from .verdicts import judge
 
 log = logging.getLogger("rolegate.proxy")
 

@@ -10,11 +10,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from .breaker import TransportFault
+from ..core.breaker import TransportFault
+from ..core.exclusions import is_request_fault
+from ..core.routing import Attempt
+from ..core.verdicts import Verdict
 from .credentials import KeyStore
-from .exclusions import is_request_fault
-from .routing import Attempt
-from .verdicts import Verdict
 
 
 class RequestFault(StrEnum):

@@ -29,8 +29,8 @@ import aiohttp
 from rolegate_policy import API_VERSION
 from rolegate_policy.config import ProxyConfig
 
+from ..core.exclusions import BreakerState, State
 from .configmap_source import Backoff
-from .exclusions import BreakerState, State
 from .kube_api import KubeAccess, load_access
 
 log = logging.getLogger("rolegate.proxy.status")

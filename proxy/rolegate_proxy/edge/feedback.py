@@ -26,10 +26,10 @@ from typing import Any, Final
 
 import orjson
 
-from .beliefs import MachineKey
-from .errors import ProxyError, bad_request
-from .outcomes import Outcome, OutcomeKind
-from .score import ScoreScale
+from ..core.beliefs import MachineKey
+from ..core.outcomes import Outcome, OutcomeKind
+from ..core.score import ScoreScale
+from ..wire.errors import ProxyError, bad_request
 
 DEFAULT_CAPACITY: Final = 50_000
 MAX_KEYS: Final = 4096
