@@ -19,7 +19,7 @@ from rolegate_policy.config import (
 )
 from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
 from rolegate_proxy.core.chooser import Alternative
-from rolegate_proxy.core.rate_test import (
+from rolegate_proxy.core.watch import (
     Act,
     ActReason,
     ArmEnd,

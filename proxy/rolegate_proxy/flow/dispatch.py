@@ -31,10 +31,10 @@ from ..core.chooser import Chooser
 from ..core.decisions import Decision
 from ..core.exclusions import Transition, parse_retry_after
 from ..core.outcomes import Arm, ArmAct, ArmResult, OutcomeKind
-from ..core.rate_test import Watch
 from ..core.routing import Attempt, Candidate, plan_candidates
 from ..core.score import Scoreboard
 from ..core.verdicts import Verdict, VerdictKind, VerdictLog, VerdictRow, judge
+from ..core.watch import Watch
 from ..wire.chat_request import ChatRequest
 from ..wire.errors import ProxyError
 from .metrics import ProxyMetrics

@@ -22,9 +22,9 @@ from aiohttp import web
 
 from ..core.beliefs import GapStats
 from ..core.breaker import TransportFault
-from ..core.rate_test import Act, Watch
 from ..core.routing import Attempt
 from ..core.verdicts import judge
+from ..core.watch import Act, Watch
 from ..wire.chat_request import ChatRequest
 from ..wire.sse import Event, EventFramer, MalformedEvent, decode_event_json, encode_event
 from .credentials import KeyStore
