@@ -44,7 +44,7 @@ from rolegate_policy.config import (
     with_hash,
 )
 from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
-from rolegate_proxy.core.breaker import Breakers, Outcome, TransportFault
+from rolegate_proxy.core.breaker import Attempted, Breakers, TransportFault
 from rolegate_proxy.core.chooser import Chooser, Fate
 from rolegate_proxy.core.decisions import Decision
 from rolegate_proxy.core.routing import plan_candidates
@@ -142,13 +142,13 @@ def world() -> tuple[ProxyConfig, CompiledRole, Breakers, Chooser]:
     )  # fmt: skip
     for i, machine in enumerate(machines[:40]):
         at = NOW - 200 + i
-        breakers.record(Outcome.answered(PROVIDER, MODEL, OK, machine=machine.name), at)
-    breakers.record(Outcome.http_error(PROVIDER, MODEL, 503, machine="machine-04"), NOW - 3)
-    breakers.record(Outcome.http_error(PROVIDER, MODEL, 503, machine="machine-04"), NOW - 2)
-    breakers.record(Outcome.transport_failure(PROVIDER, MODEL, TransportFault.TIMEOUT,
+        breakers.record(Attempted.answered(PROVIDER, MODEL, OK, machine=machine.name), at)
+    breakers.record(Attempted.http_error(PROVIDER, MODEL, 503, machine="machine-04"), NOW - 3)
+    breakers.record(Attempted.http_error(PROVIDER, MODEL, 503, machine="machine-04"), NOW - 2)
+    breakers.record(Attempted.transport_failure(PROVIDER, MODEL, TransportFault.TIMEOUT,
                                               machine="machine-17"), NOW - 2)  # fmt: skip
     breakers.record(
-        Outcome.http_error(PROVIDER, MODEL, 429, machine="machine-09", retry_after=30.0), NOW - 1
+        Attempted.http_error(PROVIDER, MODEL, 429, machine="machine-09", retry_after=30.0), NOW - 1
     )
 
     chooser = Chooser(ledger, scores=scores, draw=random.Random(1).random)

@@ -25,7 +25,9 @@ import httpx
 import openai
 
 from rolegate_cli.state_table import render_state
-from rolegate_proxy.core.exclusions import Transition
+from rolegate_proxy.core.exclusions import (
+    Transition,
+)
 from rolegate_proxy.edge.server import RunningProxy
 from rolegate_proxy.edge.server import start as start_proxy
 from rolegate_proxy.edge.settings import ProxySettings

@@ -16,10 +16,10 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any, Final
 
-ACCEPTED: Final = "Accepted"
+from rolegate_policy.status import ACCEPTED, Condition, ConditionStatus
+
 # What metav1.Condition allows (k8s.io/apimachinery/pkg/apis/meta/v1/types.go).
 TYPE_PATTERN: Final = re.compile(
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Z][A-Za-z0-9]*$"
@@ -32,14 +32,8 @@ EFFECTIVE_RULINGS: Final = "effectiveRulings"
 _OWNED_FIELDS: Final = ("observedGeneration", ROLE_COUNT, EFFECTIVE_RULINGS)
 
 
-class ConditionStatus(StrEnum):
-    TRUE = "True"
-    FALSE = "False"
-    UNKNOWN = "Unknown"
-
-
 @dataclass(frozen=True)
-class Condition:
+class DesiredCondition:
     """A condition as the operator wants it, before a transition time is given to it."""
 
     type: str
@@ -57,14 +51,20 @@ class Condition:
             object.__setattr__(self, "message", self.message[: MAX_MESSAGE - 1] + "…")
 
     def render(self, last_transition_time: str) -> dict[str, Any]:
-        return {
-            "type": self.type,
-            "status": self.status.value,
-            "reason": self.reason,
-            "message": self.message,
-            "observedGeneration": self.observed_generation,
-            "lastTransitionTime": last_transition_time,
-        }
+        """The condition as written: through the status model the CRD is generated from, so
+        a condition the API server would refuse fails here, by name."""
+        condition = Condition(
+            type=self.type,
+            status=self.status,
+            observed_generation=self.observed_generation,
+            last_transition_time=datetime.fromisoformat(last_transition_time),
+            reason=self.reason,
+            message=self.message,
+        )
+        rendered = condition.model_dump(mode="json", by_alias=True)
+        # The time as it was given (kept verbatim when the status does not change).
+        rendered["lastTransitionTime"] = last_transition_time
+        return rendered
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class OwnedStatus:
     """Every status field the operator owns on one resource, as it should be."""
 
     observed_generation: int
-    accepted: Condition
+    accepted: DesiredCondition
     # RoleTable only: roleCount and effectiveRulings; empty for a ProviderPolicy.
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -95,7 +95,7 @@ def find_condition(status: Mapping[str, Any], type_: str) -> Mapping[str, Any] |
 
 
 def render_condition(
-    desired: Condition, existing: Mapping[str, Any] | None, now: datetime
+    desired: DesiredCondition, existing: Mapping[str, Any] | None, now: datetime
 ) -> dict[str, Any]:
     """The condition to write: `lastTransitionTime` is kept unless the status changes."""
     kept = existing.get("lastTransitionTime") if existing is not None else None
@@ -153,7 +153,9 @@ class EventNote:
     message: str
 
 
-def transition_event(previous: Mapping[str, Any] | None, desired: Condition) -> EventNote | None:
+def transition_event(
+    previous: Mapping[str, Any] | None, desired: DesiredCondition
+) -> EventNote | None:
     """The Event an `Accepted` change deserves, if any: a Warning when a resource becomes
     rejected or is rejected for a different reason or message; a Normal one when a
     rejected resource recovers. Nothing when the verdict is unchanged, so a recompile

@@ -30,7 +30,6 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from rolegate_operator.conditions import (
-    ACCEPTED,
     EventNote,
     find_condition,
     status_patch,
@@ -40,6 +39,7 @@ from rolegate_operator.kube import ConfigMapWrite, describe_error
 from rolegate_operator.reconcile import AcceptedVersion, ReconcileResult, reconcile
 from rolegate_operator.store import KINDS, ResourceKey, Store
 from rolegate_policy.config import ProxyConfig
+from rolegate_policy.status import ACCEPTED
 
 log = logging.getLogger("rolegate.operator")
 

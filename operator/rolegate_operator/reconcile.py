@@ -29,11 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from rolegate_operator.conditions import (
-    ACCEPTED,
     EFFECTIVE_RULINGS,
     ROLE_COUNT,
-    Condition,
-    ConditionStatus,
+    DesiredCondition,
     OwnedStatus,
 )
 from rolegate_operator.store import ResourceKey, StoredResource
@@ -42,10 +40,11 @@ from rolegate_policy.config import ProxyConfig
 from rolegate_policy.field_errors import shorten
 from rolegate_policy.manifests import Manifest, manifest_from_object
 from rolegate_policy.model import ROLE_TABLE_KIND
-from rolegate_policy.verdicts import CompileResult, EffectiveRuling, Reason, ResourceVerdict
+from rolegate_policy.status import ACCEPTED, ConditionStatus
+from rolegate_policy.verdicts import AcceptedReason, CompileResult, EffectiveRuling, ResourceVerdict
 
 # Rejections caused by the resource alone, whatever the other resources say.
-INTRINSIC: Final = frozenset({Reason.INVALID_SPEC, Reason.INVALID_MANIFEST})
+INTRINSIC: Final = frozenset({AcceptedReason.INVALID_SPEC, AcceptedReason.INVALID_MANIFEST})
 _RULING_REASON_LIMIT: Final = 1024
 
 
@@ -59,7 +58,7 @@ class AcceptedVersion:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class ResourceFate:
     """What became of one resource in this compile."""
 
     key: ResourceKey
@@ -77,12 +76,12 @@ class Outcome:
 @dataclass(frozen=True)
 class ReconcileResult:
     config: ProxyConfig
-    outcomes: Mapping[ResourceKey, Outcome]
+    outcomes: Mapping[ResourceKey, ResourceFate]
     # The memory to keep for the next compile.
     accepted: Mapping[ResourceKey, AcceptedVersion]
 
     @property
-    def rejected(self) -> list[Outcome]:
+    def rejected(self) -> list[ResourceFate]:
         return [outcome for outcome in self.outcomes.values() if not outcome.accepted]
 
 
@@ -120,7 +119,7 @@ def reconcile(
             break
         substituted.update(chosen)
 
-    outcomes: dict[ResourceKey, Outcome] = {}
+    outcomes: dict[ResourceKey, ResourceFate] = {}
     memory: dict[ResourceKey, AcceptedVersion] = {}
     for key, resource in snapshot.items():
         final = verdicts[key]
@@ -138,7 +137,7 @@ def reconcile(
     return ReconcileResult(config=result.config, outcomes=outcomes, accepted=memory)
 
 
-def _judged(resource: StoredResource, verdict: ResourceVerdict) -> Outcome:
+def _judged(resource: StoredResource, verdict: ResourceVerdict) -> ResourceFate:
     if verdict.accepted:
         condition = _condition(resource, ConditionStatus.TRUE, verdict.reason, verdict.message)
         served: int | None = resource.generation
@@ -154,7 +153,7 @@ def _fallen_back(
     own: ResourceVerdict,
     final: ResourceVerdict,
     last: AcceptedVersion,
-) -> Outcome:
+) -> ResourceFate:
     """A rejected resource compiled at its last accepted generation instead."""
     if final.accepted:
         tail = (
@@ -177,10 +176,10 @@ def _fallen_back(
 
 def _outcome(
     resource: StoredResource,
-    condition: Condition,
+    condition: DesiredCondition,
     rulings: tuple[EffectiveRuling, ...],
     served: int | None,
-) -> Outcome:
+) -> ResourceFate:
     extra: dict[str, Any] = {}
     if resource.key.kind == ROLE_TABLE_KIND:
         # Both describe the evaluated generation (observedGeneration), like the condition.
@@ -196,13 +195,13 @@ def _outcome(
             for ruling in rulings
         ]
     status = OwnedStatus(observed_generation=resource.generation, accepted=condition, extra=extra)
-    return Outcome(key=resource.key, uid=resource.uid, status=status, served_generation=served)
+    return ResourceFate(key=resource.key, uid=resource.uid, status=status, served_generation=served)
 
 
 def _condition(
     resource: StoredResource, status: ConditionStatus, reason: str, message: str
-) -> Condition:
-    return Condition(
+) -> DesiredCondition:
+    return DesiredCondition(
         type=ACCEPTED,
         status=status,
         reason=reason,

@@ -18,39 +18,49 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Final
 
-from rolegate_operator.conditions import Condition, ConditionStatus, EventNote, render_condition
+from pydantic import ValidationError
 
-TRIPPED: Final = "Tripped"
+from rolegate_operator.conditions import (
+    DesiredCondition,
+    EventNote,
+    render_condition,
+)
+from rolegate_policy.status import TRIPPED, ConditionStatus, PodReport, Scope, TripReason
+
 NOT_TRIPPED_REASON: Final = "NoOpenBreakers"
 MAX_SUMMARY: Final = 256
 # When reasons tie, the one a person should hear about first.
 _REASON_ORDER: Final = (
-    "MangledOutput",
-    "EmptyResponses",
-    "UpstreamErrors",
-    "AuthFailure",
-    "Quota",
-    "RateLimited",
+    TripReason.MANGLED_OUTPUT,
+    TripReason.EMPTY_RESPONSES,
+    TripReason.UPSTREAM_ERRORS,
+    TripReason.AUTH_FAILURE,
+    TripReason.QUOTA,
+    TripReason.RATE_LIMITED,
 )
+_SCOPE_ORDER: Final = {Scope.PROVIDER: 0, Scope.MODEL: 1, Scope.MACHINE: 2}
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class TrippedKey:
-    scope: str  # Provider | Model | Machine
+    scope: Scope
     model: str = ""
     machine: str = ""
 
+    def sort_key(self) -> tuple[int, str, str]:
+        return (_SCOPE_ORDER[self.scope], self.model, self.machine)
+
     def describe(self) -> str:
-        if self.scope == "Provider":
+        if self.scope is Scope.PROVIDER:
             return "the whole provider"
-        if self.scope == "Model":
+        if self.scope is Scope.MODEL:
             return f"model {self.model}"
         return f"machine {self.machine} of {self.model}"
 
     def short(self) -> str:
-        if self.scope == "Provider":
+        if self.scope is Scope.PROVIDER:
             return "provider"
-        if self.scope == "Model":
+        if self.scope is Scope.MODEL:
             return self.model
         return f"{self.model}@{self.machine}"
 
@@ -58,13 +68,13 @@ class TrippedKey:
 @dataclass(frozen=True)
 class TrippedEntry:
     key: TrippedKey
-    reason: str
+    reason: TripReason
     pods: tuple[str, ...]
 
 
 @dataclass(frozen=True)
 class TrippedView:
-    condition: Condition
+    condition: DesiredCondition
     summary: str
     entries: tuple[TrippedEntry, ...]
     live_pods: tuple[str, ...]
@@ -74,45 +84,42 @@ class TrippedView:
         return {entry.key: entry for entry in self.entries}
 
 
-def parse_time(value: Any) -> datetime | None:
-    if not isinstance(value, str):
-        return None
-    try:
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        return None
+def read_reports(raw: Sequence[Mapping[str, Any]]) -> tuple[list[PodReport], list[str]]:
+    """The reports as the proxy pods wrote them (the shared status models), and the pods
+    whose entry could not be read (the API server validated them, so only a schema older
+    than this operator could cause one): those are treated as expired."""
+    reports: list[PodReport] = []
+    unreadable: list[str] = []
+    for entry in raw:
+        try:
+            reports.append(PodReport.model_validate(entry))
+        except ValidationError:
+            unreadable.append(str(entry.get("pod") or ""))
+    return reports, unreadable
 
 
 def aggregate(
-    reports: Sequence[Mapping[str, Any]], generation: int, now: datetime, ttl_seconds: float
+    raw_reports: Sequence[Mapping[str, Any]], generation: int, now: datetime, ttl_seconds: float
 ) -> TrippedView:
-    live: list[Mapping[str, Any]] = []
-    expired: list[str] = []
+    reports, expired = read_reports(raw_reports)
+    live: list[PodReport] = []
     for report in reports:
-        pod = str(report.get("pod") or "")
-        seen = parse_time(report.get("observedAt"))
-        if seen is None or now - seen > timedelta(seconds=ttl_seconds):
-            expired.append(pod)
+        if now - report.observed_at > timedelta(seconds=ttl_seconds):
+            expired.append(report.pod)
         else:
             live.append(report)
     pods_by_key: dict[TrippedKey, set[str]] = {}
-    reasons_by_key: dict[TrippedKey, Counter[str]] = {}
+    reasons_by_key: dict[TrippedKey, Counter[TripReason]] = {}
     for report in live:
-        for breaker in report.get("breakers") or ():
-            if not isinstance(breaker, Mapping):
-                continue
-            key = TrippedKey(
-                str(breaker.get("scope") or "Provider"),
-                str(breaker.get("model") or ""),
-                str(breaker.get("machine") or ""),
-            )
-            pods_by_key.setdefault(key, set()).add(str(report.get("pod")))
-            reasons_by_key.setdefault(key, Counter())[str(breaker.get("reason") or "Unknown")] += 1
+        for breaker in report.breakers:
+            key = TrippedKey(breaker.scope, breaker.model or "", breaker.machine or "")
+            pods_by_key.setdefault(key, set()).add(report.pod)
+            reasons_by_key.setdefault(key, Counter())[breaker.reason] += 1
     entries = tuple(
         TrippedEntry(key, _leading(reasons_by_key[key]), tuple(sorted(pods_by_key[key])))
-        for key in sorted(pods_by_key)
+        for key in sorted(pods_by_key, key=TrippedKey.sort_key)
     )
-    live_pods = tuple(sorted(str(r.get("pod")) for r in live))
+    live_pods = tuple(sorted(report.pod for report in live))
     return TrippedView(
         condition=_condition(entries, live_pods, generation),
         summary=_summary(entries),
@@ -122,19 +129,16 @@ def aggregate(
     )
 
 
-def _leading(reasons: Counter[str]) -> str:
-    return min(
-        reasons,
-        key=lambda r: (-reasons[r], _REASON_ORDER.index(r) if r in _REASON_ORDER else 99, r),
-    )
+def _leading(reasons: Counter[TripReason]) -> TripReason:
+    return min(reasons, key=lambda r: (-reasons[r], _REASON_ORDER.index(r), r.value))
 
 
 def _condition(
     entries: Sequence[TrippedEntry], live_pods: Sequence[str], generation: int
-) -> Condition:
+) -> DesiredCondition:
     reporting = len(live_pods)
     if not entries:
-        return Condition(
+        return DesiredCondition(
             TRIPPED,
             ConditionStatus.FALSE,
             NOT_TRIPPED_REASON,
@@ -147,7 +151,7 @@ def _condition(
         f"{entry.key.describe()} ({entry.reason}) on {len(entry.pods)} of {reporting} pods"
         for entry in entries
     ]
-    return Condition(
+    return DesiredCondition(
         TRIPPED,
         ConditionStatus.TRUE,
         _leading(overall),
@@ -159,7 +163,7 @@ def _condition(
 def _summary(entries: Sequence[TrippedEntry]) -> str:
     if not entries:
         return ""
-    if any(entry.key.scope == "Provider" for entry in entries):
+    if any(entry.key.scope is Scope.PROVIDER for entry in entries):
         return "provider"
     text = ", ".join(entry.key.short() for entry in entries)
     return text if len(text) <= MAX_SUMMARY else text[: MAX_SUMMARY - 1] + "…"

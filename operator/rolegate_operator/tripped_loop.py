@@ -20,7 +20,8 @@ from typing import Any, Final, Protocol
 
 from rolegate_operator.conditions import EventNote, find_condition
 from rolegate_operator.store import ResourceKey, Store
-from rolegate_operator.tripped import TRIPPED, TrippedView, aggregate, condition_body, events
+from rolegate_operator.tripped import TrippedView, aggregate, condition_body, events
+from rolegate_policy.status import TRIPPED
 
 log = logging.getLogger("rolegate.operator.tripped")
 

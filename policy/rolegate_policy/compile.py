@@ -58,11 +58,11 @@ from rolegate_policy.model import (
 from rolegate_policy.report import format_report, render_json
 from rolegate_policy.rulings import resolve_ruling, seconds
 from rolegate_policy.verdicts import (
+    AcceptedReason,
     CompileResult,
     EffectiveRuling,
     FieldError,
     IgnoredDocument,
-    Reason,
     ResourceVerdict,
     join_errors,
 )
@@ -102,7 +102,7 @@ def compile_manifests(manifests: Sequence[Manifest]) -> CompileResult:
             continue
         envelope_errors = _envelope_errors(manifest)
         if envelope_errors:
-            verdicts.append(_rejected(manifest, Reason.INVALID_MANIFEST, envelope_errors))
+            verdicts.append(_rejected(manifest, AcceptedReason.INVALID_MANIFEST, envelope_errors))
         elif manifest.kind == PROVIDER_POLICY_KIND:
             providers_in.append(manifest)
         else:
@@ -225,7 +225,7 @@ def _verdict(
     manifest: Manifest,
     *,
     accepted: bool,
-    reason: Reason,
+    reason: AcceptedReason,
     message: str,
     errors: Sequence[FieldError] = (),
     warnings: Sequence[str] = (),
@@ -248,7 +248,7 @@ def _verdict(
 
 def _rejected(
     manifest: Manifest,
-    reason: Reason,
+    reason: AcceptedReason,
     errors: Sequence[FieldError],
     warnings: Sequence[str] = (),
     rulings: Sequence[EffectiveRuling] = (),
@@ -288,13 +288,13 @@ class _ProviderStage:
     def add(self, manifest: Manifest) -> ResourceVerdict:
         spec, errors = _parse(manifest)
         if spec is None:
-            return _rejected(manifest, Reason.INVALID_SPEC, errors)
+            return _rejected(manifest, AcceptedReason.INVALID_SPEC, errors)
         assert isinstance(spec, ProviderPolicySpec)
         first = self.claimed_by.get(manifest.name)
         if first is not None:
             return _rejected(
                 manifest,
-                Reason.DUPLICATE_NAME,
+                AcceptedReason.DUPLICATE_NAME,
                 [
                     FieldError(
                         field="metadata.name",
@@ -316,7 +316,10 @@ class _ProviderStage:
             f"({provider.dialect.value} dialect)"
         )
         return _verdict(
-            manifest, accepted=True, reason=Reason.ACCEPTED, message=_accepted_message(summary, [])
+            manifest,
+            accepted=True,
+            reason=AcceptedReason.ACCEPTED,
+            message=_accepted_message(summary, []),
         )
 
     def serving(self, model: str) -> list[CompiledProvider]:
@@ -370,7 +373,7 @@ class _RoleStage:
     def add(self, manifest: Manifest) -> ResourceVerdict:
         spec, errors = _parse(manifest)
         if spec is None:
-            return _rejected(manifest, Reason.INVALID_SPEC, errors)
+            return _rejected(manifest, AcceptedReason.INVALID_SPEC, errors)
         assert isinstance(spec, RoleTableSpec)
         rulings = [_effective_ruling(role, spec) for role in spec.roles]
 
@@ -388,7 +391,7 @@ class _RoleStage:
             if role.name in self.claimed_by
         ]
         if duplicates:
-            return _rejected(manifest, Reason.DUPLICATE_NAME, duplicates, rulings=rulings)
+            return _rejected(manifest, AcceptedReason.DUPLICATE_NAME, duplicates, rulings=rulings)
 
         unserved: list[FieldError] = []
         warnings: list[str] = []
@@ -408,7 +411,11 @@ class _RoleStage:
             warnings.extend(self._patience_warnings(index, role, served))
         if unserved:
             return _rejected(
-                manifest, Reason.NO_SERVED_MODEL, unserved, warnings=warnings, rulings=rulings
+                manifest,
+                AcceptedReason.NO_SERVED_MODEL,
+                unserved,
+                warnings=warnings,
+                rulings=rulings,
             )
 
         for role, served, ruling in zip(spec.roles, served_models, rulings, strict=True):
@@ -435,7 +442,7 @@ class _RoleStage:
         return _verdict(
             manifest,
             accepted=True,
-            reason=Reason.ACCEPTED,
+            reason=AcceptedReason.ACCEPTED,
             message=_accepted_message(summary, warnings),
             warnings=warnings,
             rulings=rulings,

@@ -18,7 +18,7 @@ import yaml
 
 from rolegate_policy import GROUP
 from rolegate_policy.field_errors import shorten
-from rolegate_policy.verdicts import FieldError, IgnoredDocument, Reason, ResourceVerdict
+from rolegate_policy.verdicts import AcceptedReason, FieldError, IgnoredDocument, ResourceVerdict
 
 MANIFEST_SUFFIXES = (".yaml", ".yml")
 
@@ -162,7 +162,7 @@ def _classify(document: Any, source: str) -> Manifest | IgnoredDocument | Resour
             name=name if isinstance(name, str) and name else None,
             generation=None,
             accepted=False,
-            reason=Reason.INVALID_MANIFEST,
+            reason=AcceptedReason.INVALID_MANIFEST,
             message="; ".join(str(error) for error in errors),
             errors=tuple(errors),
         )
@@ -182,7 +182,7 @@ def _classify(document: Any, source: str) -> Manifest | IgnoredDocument | Resour
             name=None,
             generation=manifest.generation,
             accepted=False,
-            reason=Reason.INVALID_MANIFEST,
+            reason=AcceptedReason.INVALID_MANIFEST,
             message=str(error),
             errors=(error,),
         )
@@ -259,7 +259,7 @@ def _rejection(source: str, message: str) -> ResourceVerdict:
         name=None,
         generation=None,
         accepted=False,
-        reason=Reason.INVALID_MANIFEST,
+        reason=AcceptedReason.INVALID_MANIFEST,
         message=message,
         errors=(FieldError(field="", message=message),),
     )

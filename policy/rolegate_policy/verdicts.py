@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from rolegate_policy.config import ProxyConfig, Ruling
 
 
-class Reason(StrEnum):
+class AcceptedReason(StrEnum):
     """The `reason` of a verdict: CamelCase, no hyphens, stable (tools match on it)."""
 
     ACCEPTED = "Accepted"
@@ -63,7 +63,7 @@ class ResourceVerdict(_Record):
     name: str | None
     generation: int | None
     accepted: bool
-    reason: Reason
+    reason: AcceptedReason
     message: str
     errors: tuple[FieldError, ...] = ()
     warnings: tuple[str, ...] = ()

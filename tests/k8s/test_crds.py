@@ -22,7 +22,7 @@ from rolegate_policy.compile import compile_manifests
 from rolegate_policy.crds import RESOURCES, clean_description
 from rolegate_policy.manifests import manifest_from_object
 from rolegate_policy.model import ProviderPolicySpec, RoleTableSpec, parse_spec
-from rolegate_policy.verdicts import Reason, ResourceVerdict
+from rolegate_policy.verdicts import AcceptedReason, ResourceVerdict
 
 EXAMPLES = REPO_ROOT / "examples" / "manifests"
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -303,7 +303,7 @@ def test_invalid_manifest_is_rejected_by_the_api_server_naming_the_field(
 def test_compile_rejects_the_same_manifest_naming_the_same_field(case: Invalid) -> None:
     verdict = compile_one(case.manifest)
     assert not verdict.accepted
-    assert verdict.reason is Reason.INVALID_SPEC, verdict
+    assert verdict.reason is AcceptedReason.INVALID_SPEC, verdict
     expected = case.compile_field or case.field
     assert expected.startswith(case.field)
     assert expected in [error.field for error in verdict.errors], verdict.errors

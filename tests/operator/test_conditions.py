@@ -8,8 +8,7 @@ from typing import Any
 import pytest
 
 from rolegate_operator.conditions import (
-    Condition,
-    ConditionStatus,
+    DesiredCondition,
     EventNote,
     OwnedStatus,
     find_condition,
@@ -19,6 +18,7 @@ from rolegate_operator.conditions import (
     status_patch,
     transition_event,
 )
+from rolegate_policy.status import ConditionStatus
 
 T0 = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
 T1 = T0 + timedelta(minutes=5)
@@ -29,8 +29,8 @@ def accepted(
     reason: str = "Accepted",
     message: str = "Accepted: 1 role (agent → Order).",
     generation: int = 1,
-) -> Condition:
-    return Condition(
+) -> DesiredCondition:
+    return DesiredCondition(
         type="Accepted",
         status=status,
         reason=reason,
@@ -39,7 +39,7 @@ def accepted(
     )
 
 
-def owned(condition: Condition, **extra: Any) -> OwnedStatus:
+def owned(condition: DesiredCondition, **extra: Any) -> OwnedStatus:
     return OwnedStatus(
         observed_generation=condition.observed_generation, accepted=condition, extra=extra
     )
@@ -70,7 +70,7 @@ def test_a_reason_must_be_one_camel_case_word(reason: str) -> None:
 @pytest.mark.parametrize("type_", ["accepted", "Has Space", "Has-Hyphen"])
 def test_a_type_must_be_pascal_case(type_: str) -> None:
     with pytest.raises(ValueError, match="type"):
-        Condition(type_, ConditionStatus.TRUE, "Accepted", "", 1)
+        DesiredCondition(type_, ConditionStatus.TRUE, "Accepted", "", 1)
 
 
 def test_long_messages_are_cut_to_the_api_limit() -> None:
@@ -208,7 +208,7 @@ def test_recovery_posts_a_normal_event_and_staying_accepted_posts_nothing() -> N
     assert transition_event(None, accepted()) is None
 
 
-def _fields(condition: Condition) -> dict[str, Any]:
+def _fields(condition: DesiredCondition) -> dict[str, Any]:
     return {
         "status": condition.status,
         "reason": condition.reason,

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rolegate_operator.conditions import ConditionStatus
 from rolegate_operator.reconcile import AcceptedVersion, ReconcileResult, reconcile
 from rolegate_operator.store import ResourceKey, Store
 from rolegate_policy.compile import compile_manifests
 from rolegate_policy.manifests import manifest_from_object
+from rolegate_policy.status import ConditionStatus
 
 from .builders import as_stored, key_of, provider, role, role_table, store_with
 

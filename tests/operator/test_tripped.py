@@ -15,10 +15,12 @@ def _report(pod: str, *breakers: dict[str, Any], age: float = 1.0) -> dict[str, 
     return {"pod": pod, "observedAt": seen, "breakers": list(breakers)}
 
 
+SINCE = {"since": (NOW - timedelta(seconds=30)).strftime("%Y-%m-%dT%H:%M:%SZ")}
 EMPTY = {"scope": "Model", "model": "nemotron", "state": "Open", "reason": "EmptyResponses"}
-MANGLED = {"scope": "Provider", "state": "Open", "reason": "MangledOutput"}
+EMPTY |= SINCE
+MANGLED = {"scope": "Provider", "state": "Open", "reason": "MangledOutput", **SINCE}
 LIMITED = {"scope": "Machine", "model": "qwen", "machine": "fastco"}
-LIMITED |= {"state": "Open", "reason": "RateLimited"}
+LIMITED |= {"state": "Open", "reason": "RateLimited", **SINCE}
 
 
 def test_no_reports_or_no_breakers_is_not_tripped() -> None:
@@ -65,3 +67,12 @@ def test_one_event_per_trip_and_per_recovery_not_per_report() -> None:
     (recovery,) = events(again, calm)
     assert (recovery.type, recovery.reason) == ("Normal", "Recovered")
     assert events(None, calm) == []
+
+
+def test_a_report_the_shared_status_model_cannot_read_counts_as_expired() -> None:
+    """Reports are read with the same models the proxy writes them with; one that does not
+    fit them (a schema older than this operator) is dropped like a stale one."""
+    odd = _report("old", {"scope": "Model", "state": "Open", "reason": "SomethingNew"})
+    view = aggregate([odd, _report("a", EMPTY)], generation=1, now=NOW, ttl_seconds=90)
+    assert view.expired_pods == ("old",)
+    assert view.live_pods == ("a",)

@@ -13,7 +13,7 @@ from rolegate_policy.config import ProxyConfig, Ruling, Visibility
 from rolegate_policy.manifests import Manifest, ManifestError, manifest_from_object
 from rolegate_policy.report import format_report, render_json
 from rolegate_policy.rulings import resolve_ruling
-from rolegate_policy.verdicts import CompileResult, Reason, ResourceVerdict
+from rolegate_policy.verdicts import AcceptedReason, CompileResult, ResourceVerdict
 
 from .builders import EXAMPLES, GOLDEN, provider, role, role_table
 
@@ -99,7 +99,7 @@ def test_invalid_provider_is_left_out_and_the_rest_compile() -> None:
     )
     assert [p.name for p in result.config.providers] == ["good"]
     bad = verdict(result, "broken")
-    assert (bad.accepted, bad.reason) == (False, Reason.INVALID_SPEC)
+    assert (bad.accepted, bad.reason) == (False, AcceptedReason.INVALID_SPEC)
     assert bad.message == "spec.models[0].machines[0].tokensPerSecond: must be greater than 0"
     table = verdict(result, "t")
     assert table.accepted
@@ -117,7 +117,7 @@ def test_role_with_no_served_model_rejects_its_table() -> None:
         role_table("t", role("ok", models=["a"]), role("lost", models=["b", "c"])),
     )
     table = verdict(result, "t")
-    assert (table.accepted, table.reason) == (False, Reason.NO_SERVED_MODEL)
+    assert (table.accepted, table.reason) == (False, AcceptedReason.NO_SERVED_MODEL)
     (error,) = table.errors
     assert error.field == "spec.roles[1].models"
     assert "role lost: none of its models (b, c)" in error.message
@@ -206,7 +206,7 @@ def test_duplicate_provider_names_first_in_namespace_order_wins() -> None:
         result = compile_objects(*order)
         assert result.config.providers[0].source == "team-a/shared"
         lost = next(v for v in result.verdicts if v.namespace == "team-b")
-        assert lost.reason is Reason.DUPLICATE_NAME
+        assert lost.reason is AcceptedReason.DUPLICATE_NAME
         assert "team-a/shared" in lost.message
 
 
@@ -215,7 +215,10 @@ def test_an_invalid_resource_claims_no_name() -> None:
     valid = provider("shared", namespace="team-b")
     result = compile_objects(invalid, valid)
     assert result.config.providers[0].source == "team-b/shared"
-    assert [v.reason for v in result.verdicts] == [Reason.INVALID_SPEC, Reason.ACCEPTED]
+    assert [v.reason for v in result.verdicts] == [
+        AcceptedReason.INVALID_SPEC,
+        AcceptedReason.ACCEPTED,
+    ]
 
 
 def test_duplicate_role_across_tables_rejects_the_later_table_whole() -> None:
@@ -226,7 +229,7 @@ def test_duplicate_role_across_tables_rejects_the_later_table_whole() -> None:
     )
     assert [(r.name, r.source) for r in result.config.roles] == [("agent", "llm/a-table")]
     lost = verdict(result, "b-table")
-    assert lost.reason is Reason.DUPLICATE_NAME
+    assert lost.reason is AcceptedReason.DUPLICATE_NAME
     assert [e.field for e in lost.errors] == ["spec.roles[1].name"]
     assert "RoleTable llm/a-table" in lost.errors[0].message
 
@@ -236,8 +239,8 @@ def test_same_resource_twice_is_a_duplicate_of_itself_ordered_by_source() -> Non
     two = manifest_from_object(provider("p"), "a.yaml")
     result = compile_manifests([one, two])
     assert [(v.source, v.reason) for v in result.verdicts] == [
-        ("a.yaml", Reason.ACCEPTED),
-        ("b.yaml", Reason.DUPLICATE_NAME),
+        ("a.yaml", AcceptedReason.ACCEPTED),
+        ("b.yaml", AcceptedReason.DUPLICATE_NAME),
     ]
     assert "llm/p (a.yaml)" in result.verdicts[1].message
 
@@ -251,7 +254,7 @@ def test_other_groups_are_ignored_and_unknown_rolegate_kinds_rejected() -> None:
     typo = {**provider("t"), "kind": "ProviderPolicies"}
     result = compile_objects(secret, future, typo, provider())
     assert [(i.kind, i.name) for i in result.ignored] == [("Secret", "s")]
-    assert verdict(result, "f").reason is Reason.INVALID_MANIFEST
+    assert verdict(result, "f").reason is AcceptedReason.INVALID_MANIFEST
     assert verdict(result, "f").errors[0].field == "apiVersion"
     assert verdict(result, "t").errors[0].field == "kind"
     assert verdict(result, "router").accepted

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rolegate_policy.manifests import load_manifest_dir
-from rolegate_policy.verdicts import Reason
+from rolegate_policy.verdicts import AcceptedReason
 
 from .builders import PLANTED_SECRET
 
@@ -70,7 +70,7 @@ def test_a_syntax_error_rejects_one_file_and_names_the_line(tmp_path: Path) -> N
     assert [m.name for m in result.manifests] == ["good"]
     (rejected,) = result.rejected
     assert rejected.source == "bad.yaml"
-    assert rejected.reason is Reason.INVALID_MANIFEST
+    assert rejected.reason is AcceptedReason.INVALID_MANIFEST
     assert rejected.message.startswith("YAML syntax error at line 4, column 1:")
     assert PLANTED_SECRET not in rejected.message
 

@@ -14,7 +14,7 @@ from email.utils import format_datetime
 import pytest
 
 from rolegate_policy.config import BreakerSettings, DegradedOutputSettings, TransportScope
-from rolegate_policy.crds import CAMEL_CASE_PATTERN
+from rolegate_policy.status import CAMEL_CASE_PATTERN, BreakerPhase, Scope, TripReason
 from rolegate_proxy.core import breaker as breaker_module
 from rolegate_proxy.core import evidence as evidence_module
 from rolegate_proxy.core import exclusions as exclusions_module
@@ -23,19 +23,16 @@ from rolegate_proxy.core.breaker import (
     BURST_SECONDS,
     PROBE_LEASE_SECONDS,
     Admission,
+    Attempted,
     Breakers,
-    Outcome,
     TransportFault,
 )
 from rolegate_proxy.core.exclusions import (
     MAX_RETRY_AFTER_SECONDS,
     BreakerKey,
-    BreakerState,
+    BreakerView,
     Cause,
     Exclusion,
-    Reason,
-    Scope,
-    State,
     Transition,
     TransitionKind,
     Trigger,
@@ -92,21 +89,23 @@ def clean(
     *,
     machine: str | None = None,
     started_at: float | None = None,
-) -> Outcome:
+) -> Attempted:
     answer = verdict("a fine answer")
-    return Outcome.answered(provider, model, answer, machine=machine, started_at=started_at)
+    return Attempted.answered(provider, model, answer, machine=machine, started_at=started_at)
 
 
-def empty(provider: str = "p", model: str = "m", *, machine: str | None = None) -> Outcome:
-    return Outcome.answered(provider, model, verdict(""), machine=machine)
+def empty(provider: str = "p", model: str = "m", *, machine: str | None = None) -> Attempted:
+    return Attempted.answered(provider, model, verdict(""), machine=machine)
 
 
-def mangled(provider: str = "p", model: str = "m", prompt: PromptProfile = ASCII_PROMPT) -> Outcome:
-    return Outcome.answered(provider, model, verdict("x " + MOJIBAKE + " y", prompt))
+def mangled(
+    provider: str = "p", model: str = "m", prompt: PromptProfile = ASCII_PROMPT
+) -> Attempted:
+    return Attempted.answered(provider, model, verdict("x " + MOJIBAKE + " y", prompt))
 
 
-def tool_calls(provider: str = "p", model: str = "m") -> Outcome:
-    return Outcome.answered(provider, model, verdict("", tool_calls=True))
+def tool_calls(provider: str = "p", model: str = "m") -> Attempted:
+    return Attempted.answered(provider, model, verdict("", tool_calls=True))
 
 
 def status(
@@ -116,11 +115,11 @@ def status(
     *,
     machine: str | None = None,
     retry_after: float | None = None,
-) -> Outcome:
-    return Outcome.http_error(provider, model, code, machine=machine, retry_after=retry_after)
+) -> Attempted:
+    return Attempted.http_error(provider, model, code, machine=machine, retry_after=retry_after)
 
 
-def feed(breakers: Breakers, outcomes: Iterable[Outcome], start: float, step: float) -> float:
+def feed(breakers: Breakers, outcomes: Iterable[Attempted], start: float, step: float) -> float:
     now = start
     for outcome in outcomes:
         breakers.record(outcome, now)
@@ -133,7 +132,7 @@ def tripped(transitions: list[Transition]) -> list[Transition]:
 
 
 def open_breaker(
-    breakers: Breakers, outcome: Callable[[], Outcome], now: float, times: int = 2
+    breakers: Breakers, outcome: Callable[[], Attempted], now: float, times: int = 2
 ) -> Transition:
     """Record `outcome` until it trips; returns the trip."""
     for i in range(times):
@@ -152,16 +151,16 @@ def open_breaker(
         empty(),
         mangled(),
         status(503),
-        Outcome.transport_failure("p", "m", TransportFault.TIMEOUT),
-        Outcome.transport_failure("p", "m", TransportFault.CONNECTION_FAILED),
-        Outcome.transport_failure("p", "m", TransportFault.BROKEN_STREAM, status=200),
+        Attempted.transport_failure("p", "m", TransportFault.TIMEOUT),
+        Attempted.transport_failure("p", "m", TransportFault.CONNECTION_FAILED),
+        Attempted.transport_failure("p", "m", TransportFault.BROKEN_STREAM, status=200),
     ],
 )
-def test_a_single_bad_response_never_trips(bad: Outcome) -> None:
+def test_a_single_bad_response_never_trips(bad: Attempted) -> None:
     breakers = make()
     assert breakers.record(bad, 0.0) == []
     assert breakers.exclusion("p", "m", None, 0.0) is None
-    assert all(state.state is State.CLOSED for state in breakers.snapshot(0.0))
+    assert all(state.state is BreakerPhase.CLOSED for state in breakers.snapshot(0.0))
 
 
 # --- scope by signature (SPEC A6) -------------------------------------------------------------
@@ -175,13 +174,13 @@ def test_empty_answers_trip_the_provider_model_pair_only() -> None:
     assert trip.kind is TransitionKind.TRIPPED
     assert trip.key == BreakerKey("p", "a")
     assert trip.key.scope is Scope.MODEL
-    assert trip.reason is Reason.EMPTY_RESPONSES
+    assert trip.reason is TripReason.EMPTY_RESPONSES
     assert trip.trigger is Trigger.NOVELTY
     assert trip.until == pytest.approx(1.0 + NO_JITTER.cooldown_seconds)
     refused = breakers.exclusion("p", "a", None, 2.0)
     assert refused is not None
     assert refused.cause is Cause.BREAKER
-    assert refused.state is State.OPEN
+    assert refused.state is BreakerPhase.OPEN
     # The provider's other models are untouched.
     assert breakers.exclusion("p", "b", None, 2.0) is None
     assert breakers.admit("p", "b", None, 2.0).allowed
@@ -194,7 +193,7 @@ def test_mangled_output_trips_the_whole_provider() -> None:
 
     assert trip.key == BreakerKey("p")
     assert trip.key.scope is Scope.PROVIDER
-    assert trip.reason is Reason.MANGLED_OUTPUT
+    assert trip.reason is TripReason.MANGLED_OUTPUT
     for model in ("a", "b", "c"):
         refused = breakers.exclusion("p", model, "any-machine", 2.0)
         assert refused is not None
@@ -216,7 +215,7 @@ def test_a_machine_mangling_ascii_prompts_trips_its_provider_but_not_non_ascii_o
 
 def test_low_confidence_signatures_never_trip() -> None:
     breakers = make()
-    smart_quotes = Outcome.answered("p", "m", verdict("\u201cquoted\u201d"))
+    smart_quotes = Attempted.answered("p", "m", verdict("\u201cquoted\u201d"))
     assert smart_quotes.verdict is not None
     assert smart_quotes.verdict.signature is verdicts_module.Signature.NON_ASCII_NOT_IN_PROMPT
     for i in range(1000):
@@ -233,7 +232,7 @@ def test_transport_faults_follow_the_declared_scope() -> None:
         breakers.record(status(503), 0.0)
         (trip,) = breakers.record(status(502), 1.0)
         assert trip.key == key
-        assert trip.reason is Reason.UPSTREAM_ERRORS
+        assert trip.reason is TripReason.UPSTREAM_ERRORS
         assert "http_5xx" in trip.detail
 
 
@@ -262,9 +261,9 @@ def test_an_aggregators_named_failing_machine_is_tripped_alone() -> None:
 )
 def test_refused_connections_timeouts_and_stream_errors_trip(fault: TransportFault) -> None:
     breakers = make()
-    breakers.record(Outcome.transport_failure("p", "m", fault), 0.0)
-    (trip,) = breakers.record(Outcome.transport_failure("p", "m", fault), 1.0)
-    assert trip.reason is Reason.UPSTREAM_ERRORS
+    breakers.record(Attempted.transport_failure("p", "m", fault), 0.0)
+    (trip,) = breakers.record(Attempted.transport_failure("p", "m", fault), 1.0)
+    assert trip.reason is TripReason.UPSTREAM_ERRORS
     assert fault.value in trip.detail
 
 
@@ -392,7 +391,7 @@ def test_successes_are_the_rate_arms_denominator() -> None:
         assert breakers_tools.record(outcome, float(i)) == []
 
 
-def _incident_outcome(model: str, i: int) -> Outcome:
+def _incident_outcome(model: str, i: int) -> Attempted:
     """The measured window's mix per model: nemotron 38 empty / 70 tool calls of 108
     (35.2%), the others no empties at all and a share of tool-call answers."""
     provider = NEURALWATT if model in (QWEN, DEEPSEEK) else OPENROUTER
@@ -402,7 +401,7 @@ def _incident_outcome(model: str, i: int) -> Outcome:
         answer = verdict("") if is_empty else verdict("", tool_calls=True)
     else:
         answer = verdict("", tool_calls=True) if i % 3 == 0 else verdict("here you go")
-    return Outcome.answered(provider, model, answer, machine=machine)
+    return Attempted.answered(provider, model, answer, machine=machine)
 
 
 def test_the_measured_empty_200_incident_replayed() -> None:
@@ -432,7 +431,7 @@ def test_the_measured_empty_200_incident_replayed() -> None:
     trips = tripped(transitions)
     assert trips
     assert {t.key for t in trips} == {BreakerKey(OPENROUTER, NEMOTRON)}
-    assert {t.reason for t in trips} == {Reason.EMPTY_RESPONSES}
+    assert {t.reason for t in trips} == {TripReason.EMPTY_RESPONSES}
     # ...the three healthy models never trip over at least 1,000 calls each...
     for model in (GLM, QWEN, DEEPSEEK):
         assert calls[model] >= 1000
@@ -440,7 +439,7 @@ def test_the_measured_empty_200_incident_replayed() -> None:
     for state in breakers.snapshot(now):
         if state.key.scope is not Scope.MODEL or state.key.model != NEMOTRON:
             assert state.trips == 0
-            assert state.state is State.CLOSED
+            assert state.state is BreakerPhase.CLOSED
 
 
 def test_the_rate_arm_alone_trips_the_incident_within_its_minimum_sample() -> None:
@@ -546,7 +545,7 @@ def test_half_open_admits_exactly_one_probe() -> None:
     before = breakers.admit("p", "m", None, trip.until - 0.001)
     assert not before.allowed
     assert before.exclusion is not None
-    assert before.exclusion.state is State.OPEN
+    assert before.exclusion.state is BreakerPhase.OPEN
 
     now = trip.until
     first = breakers.admit("p", "m", None, now)
@@ -556,7 +555,7 @@ def test_half_open_admits_exactly_one_probe() -> None:
     assert first.probes == (BreakerKey("p", "m"),)
     assert not second.allowed
     assert second.exclusion is not None
-    assert second.exclusion.state is State.HALF_OPEN
+    assert second.exclusion.state is BreakerPhase.HALF_OPEN
     assert second.exclusion.detail == "a re-probe is in flight"
     # A read agrees, and takes nothing.
     assert breakers.exclusion("p", "m", None, now) == second.exclusion
@@ -607,12 +606,12 @@ def test_the_next_clean_response_closes_the_breaker() -> None:
     assert half.kind is TransitionKind.HALF_OPENED
     assert breakers.poll(trip.until + 1) == []  # reported once
     states = breakers.snapshot(trip.until)
-    assert [s.state for s in states if s.key == BreakerKey("p", "m")] == [State.HALF_OPEN]
+    assert [s.state for s in states if s.key == BreakerKey("p", "m")] == [BreakerPhase.HALF_OPEN]
 
     assert breakers.admit("p", "m", None, trip.until).is_probe
     (recovered,) = breakers.record(clean(), trip.until + 2)
     assert recovered.kind is TransitionKind.RECOVERED
-    assert recovered.reason is Reason.EMPTY_RESPONSES
+    assert recovered.reason is TripReason.EMPTY_RESPONSES
     assert recovered.key == BreakerKey("p", "m")
     assert breakers.exclusion("p", "m", None, trip.until + 3) is None
     assert breakers.admit("p", "m", None, trip.until + 3) == Admission(
@@ -627,7 +626,7 @@ def test_a_clean_response_clears_a_provider_wide_encoding_trip() -> None:
     breakers.admit("p", "other-model", None, trip.until)
     (recovered,) = breakers.record(clean("p", "other-model"), trip.until)
     assert recovered.key == BreakerKey("p")
-    assert recovered.reason is Reason.MANGLED_OUTPUT
+    assert recovered.reason is TripReason.MANGLED_OUTPUT
     assert breakers.exclusion("p", "m", None, trip.until) is None
 
 
@@ -642,7 +641,7 @@ def test_stragglers_neither_close_nor_reopen() -> None:
     assert breakers.record(clean(started_at=0.5), trip.until + 1) == []
     assert breakers.exclusion("p", "m", None, trip.until + 1) is None  # still half-open, free
     (state,) = [s for s in breakers.snapshot(trip.until + 1) if s.key == BreakerKey("p", "m")]
-    assert state.state is State.HALF_OPEN
+    assert state.state is BreakerPhase.HALF_OPEN
 
 
 def test_an_inconclusive_probe_frees_the_slot_without_closing() -> None:
@@ -662,7 +661,7 @@ def test_retry_after_sets_the_open_time_of_that_key() -> None:
     breakers = make()
     (t,) = breakers.record(status(429, retry_after=7.0), 100.0)
     assert t.cause is Cause.RATE_LIMITED
-    assert t.reason is Reason.RATE_LIMITED
+    assert t.reason is TripReason.RATE_LIMITED
     assert t.trigger is Trigger.STATUS
     assert t.until == 107.0
     assert t.key == BreakerKey("p")  # the transport key, as declared
@@ -727,10 +726,10 @@ def test_hard_exclusions_stay_distinguishable_by_cause() -> None:
     }
     reasons = {e.cause: e.reason for e in found}
     assert reasons == {
-        Cause.AUTH_FAILURE: Reason.AUTH_FAILURE,
-        Cause.QUOTA: Reason.QUOTA,
-        Cause.RATE_LIMITED: Reason.RATE_LIMITED,
-        Cause.BREAKER: Reason.EMPTY_RESPONSES,
+        Cause.AUTH_FAILURE: TripReason.AUTH_FAILURE,
+        Cause.QUOTA: TripReason.QUOTA,
+        Cause.RATE_LIMITED: TripReason.RATE_LIMITED,
+        Cause.BREAKER: TripReason.EMPTY_RESPONSES,
     }
     # The one reported is the longest: the Retry-After.
     longest = breakers.exclusion("p", "m", None, 1.0)
@@ -746,8 +745,8 @@ def test_hard_exclusions_stay_distinguishable_by_cause() -> None:
     }
     snapshot = breakers.snapshot(40.0, include_closed=False)
     assert {(s.cause, s.state) for s in snapshot} == {
-        (Cause.RATE_LIMITED, State.OPEN),
-        (Cause.BREAKER, State.HALF_OPEN),
+        (Cause.RATE_LIMITED, BreakerPhase.OPEN),
+        (Cause.BREAKER, BreakerPhase.HALF_OPEN),
     }
 
 
@@ -770,9 +769,9 @@ def test_auth_failures_back_off_until_an_answer_resets_them() -> None:
 
 
 def test_reasons_are_camel_case_words_the_crd_accepts() -> None:
-    for reason in Reason:
+    for reason in TripReason:
         assert re.fullmatch(CAMEL_CASE_PATTERN, reason.value)
-    assert {r.value for r in Reason} >= {
+    assert {r.value for r in TripReason} >= {
         "EmptyResponses",
         "MangledOutput",
         "UpstreamErrors",
@@ -781,7 +780,7 @@ def test_reasons_are_camel_case_words_the_crd_accepts() -> None:
         "Quota",
     }
     assert {s.value for s in Scope} == {"Provider", "Model", "Machine"}
-    assert {s.value for s in State} == {"Open", "HalfOpen", "Closed"}
+    assert {s.value for s in BreakerPhase} == {"Open", "HalfOpen", "Closed"}
 
 
 def test_the_snapshot_reports_every_key_sorted() -> None:
@@ -796,11 +795,11 @@ def test_the_snapshot_reports_every_key_sorted() -> None:
         BreakerKey("b", "m"),
     ]
     opened = snapshot[1]
-    assert opened == BreakerState(
+    assert opened == BreakerView(
         BreakerKey("a", "m"),
         Cause.BREAKER,
-        State.OPEN,
-        Reason.EMPTY_RESPONSES,
+        BreakerPhase.OPEN,
+        TripReason.EMPTY_RESPONSES,
         trip.at,
         trip.until,
         1,
@@ -879,18 +878,19 @@ def test_verdicts_and_breakers_expose_and_import_no_score() -> None:
             "typing",
             "email.utils",
             "rolegate_policy.config",
+            "rolegate_policy.status",
             ".evidence",
             ".exclusions",
             ".verdicts",
         }, module.__name__
-    for cls in (Breakers, Outcome, Verdict, Exclusion, BreakerState, Transition, Admission):
+    for cls in (Breakers, Attempted, Verdict, Exclusion, BreakerView, Transition, Admission):
         members = [name.lower() for name in dir(cls)]
         assert not [n for n in members if any(w in n for w in words)], cls.__name__
 
 
 def test_an_outcome_needs_a_status_or_a_transport_fault() -> None:
     with pytest.raises(ValueError, match="HTTP status or a transport fault"):
-        Outcome("p", "m")
+        Attempted("p", "m")
 
 
 # --- Retry-After parsing ----------------------------------------------------------------------

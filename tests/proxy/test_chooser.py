@@ -23,12 +23,14 @@ from rolegate_policy.config import (
     Visibility,
 )
 from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
-from rolegate_proxy.core.breaker import Breakers, Outcome
+from rolegate_proxy.core.breaker import Attempted, Breakers
 from rolegate_proxy.core.chooser import (
     Chooser,
     Fate,
 )
-from rolegate_proxy.core.exclusions import Exclusion
+from rolegate_proxy.core.exclusions import (
+    Exclusion,
+)
 from rolegate_proxy.core.routing import Candidate, plan_candidates
 from rolegate_proxy.core.score import ObservationKind, ScoreScale
 
@@ -182,7 +184,7 @@ def test_a_ttft_alone_past_the_patience_refuses_a_machine_with_no_rate() -> None
 def test_hard_exclusions_refuse_with_the_breakers_reason() -> None:
     config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
     breaker = breakers()
-    breaker.record(Outcome.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
+    breaker.record(Attempted.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
     choice = chooser.choose(role(), candidate(config, AGG, CODER), breaker.exclusion, 1.0)
     fast = choice.fate("fast")
     assert fast is not None
@@ -233,7 +235,7 @@ def test_with_nothing_admitted_anywhere_the_last_resort_is_an_order_of_the_slow(
     # hard-excluded machine stays in `ignore`.
     config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
     breaker = breakers()
-    breaker.record(Outcome.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
+    breaker.record(Attempted.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
     tight = role(patience=5.0, ruling=Ruling.ONLY, visibility=Visibility.UNWATCHED)
     plan = chooser.plan(tight, plan_candidates(tight, config), breaker.exclusion, 1.0)
     assert plan.sendable() == ()
@@ -258,7 +260,7 @@ def test_with_nothing_admitted_anywhere_the_last_resort_is_an_order_of_the_slow(
 def test_every_machine_hard_excluded_leaves_no_last_resort() -> None:
     config, _, chooser = setup(provider(AGG, {CODER: (("fast", 0.5, 120.0),)}))
     breaker = breakers()
-    breaker.record(Outcome.http_error(AGG, CODER, 401), 0.0)
+    breaker.record(Attempted.http_error(AGG, CODER, 401), 0.0)
     plan = chooser.plan(role(), plan_candidates(role(), config), breaker.exclusion, 1.0)
     assert plan.sendable() == ()
     assert plan.last_resort() is None
@@ -380,7 +382,7 @@ def test_a_hard_exclusion_drops_the_pin_too() -> None:
     config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
     chooser.answered("agent", MachineKey(AGG, CODER, "fast"))
     breaker = breakers()
-    breaker.record(Outcome.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
+    breaker.record(Attempted.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
     choice = chooser.choose(role(), candidate(config, AGG, CODER), breaker.exclusion, 1.0)
     assert choice.pinned is None
     assert chooser.pinned("agent") is None
@@ -439,7 +441,7 @@ def test_a_good_score_never_reopens_a_hard_exclusion() -> None:
     config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
     _scored(chooser, "fast", ok=1000, failed=0)
     breaker = breakers()
-    breaker.record(Outcome.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
+    breaker.record(Attempted.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
     choice = chooser.choose(role(), candidate(config, AGG, CODER), breaker.exclusion, 1.0)
     assert choice.admitted == ("steady",)
     assert choice.routing is not None

@@ -12,7 +12,10 @@ import aiohttp
 import httpx
 import pytest
 
-from rolegate_proxy.core.exclusions import BreakerKey, State
+from rolegate_policy.status import BreakerPhase
+from rolegate_proxy.core.exclusions import (
+    BreakerKey,
+)
 from rolegate_proxy.edge.server import RunningProxy
 
 from ..support import ProxyFactory, SimFactory, provider_policy, role, role_table, sim_records
@@ -30,7 +33,7 @@ def _open_keys(proxy: RunningProxy) -> set[BreakerKey]:
     return {
         state.key
         for state in breakers.snapshot(proxy.state.dispatcher.now())
-        if state.state is not State.CLOSED
+        if state.state is not BreakerPhase.CLOSED
     }
 
 

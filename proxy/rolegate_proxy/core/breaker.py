@@ -1,6 +1,6 @@
 """The circuit breaker: a pure state machine per key, with the clock passed in (SPEC A5-A8, C4).
 
-Every finished upstream attempt is recorded as an `Outcome`, successes included (they are
+Every finished upstream attempt is recorded as an `Attempted`, successes included (they are
 the rate arm's denominator). An outcome is evidence for up to three families, each on the
 key its signature decides (SPEC A6):
 
@@ -28,6 +28,7 @@ from itertools import islice
 from typing import Final
 
 from rolegate_policy.config import BreakerSettings, DegradedOutputSettings, TransportScope
+from rolegate_policy.status import BreakerPhase, TripReason
 
 from .evidence import CallBuckets, RateWindow, SignatureHistory
 from .exclusions import (
@@ -35,11 +36,9 @@ from .exclusions import (
     MAX_RETRY_AFTER_SECONDS,
     REASON_OF_CAUSE,
     BreakerKey,
-    BreakerState,
+    BreakerView,
     Cause,
     Exclusion,
-    Reason,
-    State,
     Transition,
     TransitionKind,
     Trigger,
@@ -78,9 +77,9 @@ class Family(StrEnum):
 
 
 REASON_OF_FAMILY: Final = {
-    Family.ENCODING: Reason.MANGLED_OUTPUT,
-    Family.CONTENT: Reason.EMPTY_RESPONSES,
-    Family.TRANSPORT: Reason.UPSTREAM_ERRORS,
+    Family.ENCODING: TripReason.MANGLED_OUTPUT,
+    Family.CONTENT: TripReason.EMPTY_RESPONSES,
+    Family.TRANSPORT: TripReason.UPSTREAM_ERRORS,
 }
 _FAULTY: Final = {
     Family.ENCODING: ("answers", "mangled"),
@@ -90,7 +89,7 @@ _FAULTY: Final = {
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class Attempted:
     """One finished upstream attempt, as the breaker needs it. Carries no text.
 
     `machine` is the aggregator's sub-provider that served or failed, when the response named
@@ -125,7 +124,7 @@ class Outcome:
         machine: str | None = None,
         status: int = 200,
         started_at: float | None = None,
-    ) -> Outcome:
+    ) -> Attempted:
         return cls(provider, model, machine, status, verdict, started_at=started_at)
 
     @classmethod
@@ -138,7 +137,7 @@ class Outcome:
         machine: str | None = None,
         retry_after: float | None = None,
         started_at: float | None = None,
-    ) -> Outcome:
+    ) -> Attempted:
         return cls(provider, model, machine, status, retry_after=retry_after, started_at=started_at)
 
     @classmethod
@@ -151,7 +150,7 @@ class Outcome:
         machine: str | None = None,
         status: int | None = None,
         started_at: float | None = None,
-    ) -> Outcome:
+    ) -> Attempted:
         return cls(provider, model, machine, status, transport=fault, started_at=started_at)
 
 
@@ -188,7 +187,7 @@ class _Hard:
     status: int
 
 
-def _transport_key(outcome: Outcome, settings: BreakerSettings) -> BreakerKey:
+def _transport_key(outcome: Attempted, settings: BreakerSettings) -> BreakerKey:
     # A direct provider's one machine carries the provider's name: it is not a sub-provider.
     if outcome.machine is not None and outcome.machine != outcome.provider:
         return BreakerKey(outcome.provider, outcome.model, outcome.machine)
@@ -198,7 +197,7 @@ def _transport_key(outcome: Outcome, settings: BreakerSettings) -> BreakerKey:
 
 
 def _classify(
-    outcome: Outcome, settings: BreakerSettings, degraded: DegradedOutputSettings
+    outcome: Attempted, settings: BreakerSettings, degraded: DegradedOutputSettings
 ) -> tuple[list[_Sample], _Hard | None, bool]:
     """The samples an outcome contributes, the hard exclusion it imposes, and whether it was
     an answer (a 2xx that completed)."""
@@ -290,7 +289,7 @@ class _Entry:
     since: float = 0.0  # when this open episode began
     opened_at: float = 0.0  # the latest trip (a failed probe re-opens)
     until: float = 0.0  # end of the cooldown; half-open from then on
-    reason: Reason | None = None
+    reason: TripReason | None = None
     trigger: Trigger | None = None
     detail: str = ""
     trips: int = 0
@@ -356,7 +355,7 @@ class Breakers:
 
     # -- recording ------------------------------------------------------------------------
 
-    def record(self, outcome: Outcome, now: float) -> list[Transition]:
+    def record(self, outcome: Attempted, now: float) -> list[Transition]:
         """Record one finished attempt; returns the transitions it caused."""
         settings = self._settings_for(outcome.provider)
         samples, hard, answered = _classify(outcome, settings, self._degraded_for(outcome.provider))
@@ -445,7 +444,7 @@ class Breakers:
     def _trip(
         self,
         entry: _Entry,
-        reason: Reason,
+        reason: TripReason,
         trigger: Trigger,
         detail: str,
         now: float,
@@ -677,7 +676,7 @@ class Breakers:
                             key,
                             cause,
                             REASON_OF_CAUSE[cause],
-                            State.OPEN,
+                            BreakerPhase.OPEN,
                             hard.since,
                             hard.until,
                             Trigger.STATUS,
@@ -694,7 +693,7 @@ class Breakers:
                         key,
                         Cause.BREAKER,
                         entry.reason,
-                        State.OPEN,
+                        BreakerPhase.OPEN,
                         entry.since,
                         entry.until,
                         entry.trigger,
@@ -707,7 +706,7 @@ class Breakers:
                         key,
                         Cause.BREAKER,
                         entry.reason,
-                        State.HALF_OPEN,
+                        BreakerPhase.HALF_OPEN,
                         entry.since,
                         entry.probe_until,
                         entry.trigger,
@@ -752,18 +751,18 @@ class Breakers:
                 self._unmark_active(key)
         return transitions
 
-    def snapshot(self, now: float, *, include_closed: bool = True) -> list[BreakerState]:
+    def snapshot(self, now: float, *, include_closed: bool = True) -> list[BreakerView]:
         """Every tracked key's breaker, and each active hard exclusion as its own row,
         sorted by key then cause. For status reports and metrics."""
-        states: list[BreakerState] = []
+        states: list[BreakerView] = []
         for entry in self._entries.values():
             if entry.open:
                 half_open = now >= entry.until
                 states.append(
-                    BreakerState(
+                    BreakerView(
                         entry.key,
                         Cause.BREAKER,
-                        State.HALF_OPEN if half_open else State.OPEN,
+                        BreakerPhase.HALF_OPEN if half_open else BreakerPhase.OPEN,
                         entry.reason,
                         entry.since,
                         None if half_open else entry.until,
@@ -774,10 +773,10 @@ class Breakers:
                 )
             elif include_closed:
                 states.append(
-                    BreakerState(
+                    BreakerView(
                         entry.key,
                         Cause.BREAKER,
-                        State.CLOSED,
+                        BreakerPhase.CLOSED,
                         entry.reason,
                         None,
                         None,
@@ -789,10 +788,10 @@ class Breakers:
             for cause, hard in entry.hard.items():
                 if hard.active and hard.until > now:
                     states.append(
-                        BreakerState(
+                        BreakerView(
                             entry.key,
                             cause,
-                            State.OPEN,
+                            BreakerPhase.OPEN,
                             REASON_OF_CAUSE[cause],
                             hard.since,
                             hard.until,

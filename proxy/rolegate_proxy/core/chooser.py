@@ -47,7 +47,9 @@ from typing import Any, Final
 from rolegate_policy.config import CompiledMachine, CompiledModel, CompiledRole, Ruling
 
 from .beliefs import Ledger, MachineBelief, MachineKey
-from .exclusions import Exclusion
+from .exclusions import (
+    Exclusion,
+)
 from .ranking import describe_place, rank
 from .routing import Candidate, aggregator_routing
 from .score import Scoreboard

@@ -14,13 +14,7 @@ from email.utils import parsedate_to_datetime
 from enum import StrEnum
 from typing import Final
 
-
-class Scope(StrEnum):
-    """What a key takes out of rotation (the values of the CRD's `BreakerReport.scope`)."""
-
-    PROVIDER = "Provider"
-    MODEL = "Model"
-    MACHINE = "Machine"
+from rolegate_policy.status import BreakerPhase, Scope, TripReason
 
 
 class Cause(StrEnum):
@@ -30,23 +24,6 @@ class Cause(StrEnum):
     RATE_LIMITED = "RateLimited"
     AUTH_FAILURE = "AuthFailure"
     QUOTA = "Quota"
-
-
-class Reason(StrEnum):
-    """Why, as one CamelCase word (the `Tripped` condition's reason, SPEC D4)."""
-
-    EMPTY_RESPONSES = "EmptyResponses"
-    MANGLED_OUTPUT = "MangledOutput"
-    UPSTREAM_ERRORS = "UpstreamErrors"
-    RATE_LIMITED = "RateLimited"
-    AUTH_FAILURE = "AuthFailure"
-    QUOTA = "Quota"
-
-
-class State(StrEnum):
-    OPEN = "Open"
-    HALF_OPEN = "HalfOpen"
-    CLOSED = "Closed"
 
 
 class Trigger(StrEnum):
@@ -120,8 +97,8 @@ class Exclusion:
 
     key: BreakerKey
     cause: Cause
-    reason: Reason
-    state: State
+    reason: TripReason
+    state: BreakerPhase
     since: float
     until: float | None
     trigger: Trigger
@@ -138,7 +115,7 @@ class Transition:
     kind: TransitionKind
     key: BreakerKey
     cause: Cause
-    reason: Reason
+    reason: TripReason
     at: float
     until: float | None
     trips: int
@@ -147,14 +124,14 @@ class Transition:
 
 
 @dataclass(frozen=True, slots=True)
-class BreakerState:
+class BreakerView:
     """One key's breaker, or one hard exclusion, as a status report or a metric sees it."""
 
     key: BreakerKey
     cause: Cause
-    state: State
+    state: BreakerPhase
     # The last trip's reason; None for a breaker that never tripped.
-    reason: Reason | None
+    reason: TripReason | None
     since: float | None
     until: float | None
     trips: int
@@ -177,9 +154,9 @@ HARD_STATUSES: Final = {
     402: Cause.QUOTA,
 }
 REASON_OF_CAUSE: Final = {
-    Cause.RATE_LIMITED: Reason.RATE_LIMITED,
-    Cause.AUTH_FAILURE: Reason.AUTH_FAILURE,
-    Cause.QUOTA: Reason.QUOTA,
+    Cause.RATE_LIMITED: TripReason.RATE_LIMITED,
+    Cause.AUTH_FAILURE: TripReason.AUTH_FAILURE,
+    Cause.QUOTA: TripReason.QUOTA,
 }
 
 

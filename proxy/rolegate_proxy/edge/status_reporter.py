@@ -28,16 +28,17 @@ import aiohttp
 
 from rolegate_policy import API_VERSION
 from rolegate_policy.config import ProxyConfig
+from rolegate_policy.status import MAX_BREAKERS_PER_REPORT, BreakerPhase, BreakerReport, PodReport
 
-from ..core.exclusions import BreakerState, State
+from ..core.exclusions import (
+    BreakerView,
+)
 from .configmap_source import Backoff
 from .kube_api import KubeAccess, load_access
 
 log = logging.getLogger("rolegate.proxy.status")
 
 FIELD_MANAGER_PREFIX = "rolegate-proxy/"
-# The most breakers one report lists (the CRD bounds the list too).
-MAX_BREAKERS_PER_REPORT = 256
 
 
 def pod_name() -> str:
@@ -45,42 +46,48 @@ def pod_name() -> str:
     return os.environ.get("POD_NAME") or socket.gethostname()
 
 
-def wall_clock(monotonic_at: float, monotonic_now: float, wall_now: float) -> str:
+def wall_clock(monotonic_at: float, monotonic_now: float, wall_now: float) -> datetime:
+    """A moment on the monotonic clock as a wall-clock time, to the second."""
     moment = wall_now - (monotonic_now - monotonic_at)
-    return datetime.fromtimestamp(moment, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.fromtimestamp(int(moment), UTC)
 
 
-def breaker_entries(
-    states: list[BreakerState], provider: str, monotonic_now: float, wall_now: float
-) -> list[dict[str, Any]]:
-    """The pod's open and half-open breakers of one provider, as `BreakerReport` objects."""
-    entries: list[dict[str, Any]] = []
+def breaker_reports(
+    states: list[BreakerView], provider: str, monotonic_now: float, wall_now: float
+) -> list[BreakerReport]:
+    """The pod's open and half-open breakers of one provider, sorted, at most
+    MAX_BREAKERS_PER_REPORT (what the CRD allows)."""
+    reports: list[BreakerReport] = []
     for state in states:
         key = state.key
-        if key.provider != provider or state.state is State.CLOSED:
+        phase = state.state
+        if key.provider != provider or phase is BreakerPhase.CLOSED:
             continue
         if state.reason is None or state.since is None:
             continue  # an open state always has both; a closed one was filtered above
-        entry: dict[str, Any] = {
-            "scope": key.scope.value,
-            "state": state.state.value,
-            "reason": state.reason.value,
-            "since": wall_clock(state.since, monotonic_now, wall_now),
-        }
-        if key.model is not None:
-            entry["model"] = key.model
-        if key.machine is not None:
-            entry["machine"] = key.machine
-        if state.until is not None:
-            entry["until"] = wall_clock(state.until, monotonic_now, wall_now)
-        entries.append(entry)
-    entries.sort(key=lambda e: (e["scope"], e.get("model", ""), e.get("machine", "")))
-    return entries[:MAX_BREAKERS_PER_REPORT]
+        until = state.until
+        reports.append(
+            BreakerReport(
+                scope=key.scope,
+                model=key.model,
+                machine=key.machine,
+                state=BreakerPhase.OPEN if phase is BreakerPhase.OPEN else BreakerPhase.HALF_OPEN,
+                reason=state.reason,
+                since=wall_clock(state.since, monotonic_now, wall_now),
+                until=None if until is None else wall_clock(until, monotonic_now, wall_now),
+            )
+        )
+    reports.sort(key=lambda r: (r.scope.value, r.model or "", r.machine or ""))
+    return reports[:MAX_BREAKERS_PER_REPORT]
+
+
+def _wire(model: PodReport | BreakerReport) -> dict[str, Any]:
+    return model.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
 @dataclass
 class BreakerReporter:
-    snapshot: Callable[[], list[BreakerState]]
+    snapshot: Callable[[], list[BreakerView]]
     config: Callable[[], ProxyConfig]
     monotonic: Callable[[], float]
     kubeconfig: Path | None = None
@@ -121,9 +128,10 @@ class BreakerReporter:
             namespace, _, name = provider.source.rpartition("/")
             if not namespace:
                 continue  # a provider from a manifest without a namespace: not in a cluster
-            breakers = breaker_entries(states, provider.name, monotonic_now, wall_now)
+            breakers = breaker_reports(states, provider.name, monotonic_now, wall_now)
+            # What changed, without the times (a heartbeat carries those).
             digest = json.dumps(
-                [{k: v for k, v in b.items() if k not in ("since", "until")} for b in breakers],
+                [_wire(b.model_copy(update={"since": None, "until": None})) for b in breakers],
                 sort_keys=True,
             )
             last = self._sent.get(provider.name)
@@ -142,24 +150,19 @@ class BreakerReporter:
         access: KubeAccess,
         namespace: str,
         name: str,
-        breakers: list[dict[str, Any]],
+        breakers: list[BreakerReport],
         wall_now: float,
     ) -> None:
+        report = PodReport(
+            pod=self.pod,
+            observed_at=datetime.fromtimestamp(int(wall_now), UTC),
+            breakers=breakers,
+        )
         body = {
             "apiVersion": API_VERSION,
             "kind": "ProviderPolicy",
             "metadata": {"name": name, "namespace": namespace},
-            "status": {
-                "reports": [
-                    {
-                        "pod": self.pod,
-                        "observedAt": datetime.fromtimestamp(wall_now, UTC).strftime(
-                            "%Y-%m-%dT%H:%M:%SZ"
-                        ),
-                        "breakers": breakers,
-                    }
-                ]
-            },
+            "status": {"reports": [_wire(report)]},
         }
         url = (
             f"{access.base_url}/apis/{API_VERSION}/namespaces/{namespace}"

@@ -26,10 +26,13 @@ from aiohttp import web
 from rolegate_policy.config import Dialect, ProxyConfig
 
 from ..core.beliefs import GapStats, Ledger, MachineKey, Sighting
-from ..core.breaker import Breakers, Outcome, TransportFault
+from ..core.breaker import Attempted, Breakers, TransportFault
 from ..core.chooser import Chooser
 from ..core.decisions import Decision
-from ..core.exclusions import Transition, parse_retry_after
+from ..core.exclusions import (
+    Transition,
+    parse_retry_after,
+)
 from ..core.outcomes import Arm, ArmAct, ArmResult, OutcomeKind
 from ..core.routing import Attempt, Candidate, plan_candidates
 from ..core.score import Scoreboard
@@ -295,7 +298,7 @@ class Dispatcher:
             # Content had reached the client, which got an error event: the stream counts
             # against the machine, and the request is over.
             self._record(
-                Outcome.transport_failure(
+                Attempted.transport_failure(
                     provider, model, end.fault, machine=machine, started_at=started
                 )
             )
@@ -562,7 +565,7 @@ class Dispatcher:
                 )
             )
         self._record(
-            Outcome.answered(
+            Attempted.answered(
                 attempt.provider.name,
                 attempt.model.name,
                 verdict,
@@ -599,11 +602,11 @@ class Dispatcher:
                     at=time.time(),
                 )
             )  # fmt: skip
-            outcome = Outcome.answered(
+            outcome = Attempted.answered(
                 provider, model, failure.verdict, machine=machine, started_at=started
             )
         elif failure.status is not None and failure.transport is None:
-            outcome = Outcome.http_error(
+            outcome = Attempted.http_error(
                 provider,
                 model,
                 failure.status,
@@ -612,7 +615,7 @@ class Dispatcher:
                 started_at=started,
             )
         else:
-            outcome = Outcome.transport_failure(
+            outcome = Attempted.transport_failure(
                 provider,
                 model,
                 failure.transport or TransportFault.CONNECTION_FAILED,
@@ -622,7 +625,7 @@ class Dispatcher:
             )
         self._record(outcome)
 
-    def _record(self, outcome: Outcome) -> None:
+    def _record(self, outcome: Attempted) -> None:
         for transition in self.breakers.record(outcome, self.now()):
             self.on_transition(transition)
 

@@ -9,7 +9,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ..core.exclusions import BreakerState, State, Transition
+from rolegate_policy.status import BreakerPhase
+
+from ..core.exclusions import (
+    BreakerView,
+    Transition,
+)
 from ..core.outcomes import Outcome
 from ..core.score import ScoreRow
 from ..core.verdicts import Verdict, VerdictKind
@@ -221,10 +226,10 @@ class ProxyMetrics:
             provider, model, verdict.kind.value, signature, str(verdict.attributable).lower()
         ).inc()
 
-    def observe_breakers(self, states: Iterable[BreakerState]) -> None:
+    def observe_breakers(self, states: Iterable[BreakerView]) -> None:
         self.breaker_open.clear()
         for state in states:
-            if state.state is State.CLOSED:
+            if state.state is BreakerPhase.CLOSED:
                 continue
             key = state.key
             self.breaker_open.labels(

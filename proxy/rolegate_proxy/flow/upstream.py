@@ -11,7 +11,9 @@ import aiohttp
 import orjson
 
 from ..core.breaker import TransportFault
-from ..core.exclusions import is_request_fault
+from ..core.exclusions import (
+    is_request_fault,
+)
 from ..core.routing import Attempt
 from ..core.verdicts import Verdict
 from .credentials import KeyStore
