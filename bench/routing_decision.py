@@ -31,17 +31,21 @@ from pathlib import Path
 from bench_report import publish, where_it_ran
 
 from rolegate_policy.config import (
-    BreakerSettings,
     CompiledMachine,
     CompiledModel,
     CompiledProvider,
     CompiledRole,
-    DegradedOutputSettings,
-    Dialect,
     ProxyConfig,
+    with_hash,
+)
+from rolegate_policy.enums import (
+    Dialect,
     Ruling,
     Visibility,
-    with_hash,
+)
+from rolegate_policy.model import (
+    BreakerSpec,
+    DegradedOutputSpec,
 )
 from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
 from rolegate_proxy.core.breaker import Attempted, Breakers, TransportFault
@@ -135,10 +139,10 @@ def world() -> tuple[ProxyConfig, CompiledRole, Breakers, Chooser]:
     # Breakers that saw traffic on most machines; one tripped (two 503s), one rate-limited.
     provider = config.providers[0]
     breakers = Breakers(
-        lambda _p: provider.breaker if _p == PROVIDER else BreakerSettings(),
+        lambda _p: provider.breaker if _p == PROVIDER else BreakerSpec(),
         random.Random(3),
         degraded_for=lambda _p: provider.degraded_output if _p == PROVIDER
-        else DegradedOutputSettings(),
+        else DegradedOutputSpec(),
     )  # fmt: skip
     for i, machine in enumerate(machines[:40]):
         at = NOW - 200 + i

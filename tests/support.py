@@ -13,8 +13,10 @@ from rolegate_policy.config import (
     CompiledMachine,
     CompiledModel,
     CompiledProvider,
-    Dialect,
     ProxyConfig,
+)
+from rolegate_policy.enums import (
+    Dialect,
 )
 from rolegate_policy.manifests import manifest_from_object
 from rolegate_proxy.core.outcomes import Outcome

@@ -251,7 +251,9 @@ def _float(text: str) -> float:
 
 
 def _run_proxy(args: argparse.Namespace) -> int:
-    from rolegate_policy.config import ProxyConfig
+    from rolegate_policy.config import (
+        ProxyConfig,
+    )
     from rolegate_proxy.edge.configmap_source import ConfigMapSource
     from rolegate_proxy.edge.server import serve
     from rolegate_proxy.edge.settings import ProxySettings

@@ -38,7 +38,9 @@ from rolegate_operator.conditions import (
 from rolegate_operator.kube import ConfigMapWrite, describe_error
 from rolegate_operator.reconcile import AcceptedVersion, ReconcileResult, reconcile
 from rolegate_operator.store import KINDS, ResourceKey, Store
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 from rolegate_policy.status import ACCEPTED
 
 log = logging.getLogger("rolegate.operator")

@@ -31,7 +31,9 @@ from kubernetes import client, config
 
 from rolegate_operator.conditions import EventNote
 from rolegate_operator.store import API_VERSION, GROUP, KINDS, VERSION, ResourceKey
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 
 FIELD_MANAGER: Final = "rolegate-operator"
 CONFIG_KEY: Final = "config.json"

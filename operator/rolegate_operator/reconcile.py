@@ -36,7 +36,9 @@ from rolegate_operator.conditions import (
 )
 from rolegate_operator.store import ResourceKey, StoredResource
 from rolegate_policy.compile import compile_manifests
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 from rolegate_policy.field_errors import shorten
 from rolegate_policy.manifests import Manifest, manifest_from_object
 from rolegate_policy.model import ROLE_TABLE_KIND

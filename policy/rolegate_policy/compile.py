@@ -31,28 +31,30 @@ from pydantic import ValidationError
 
 from rolegate_policy import GROUP, VERSION
 from rolegate_policy.config import (
-    BreakerSettings,
     CompiledMachine,
     CompiledModel,
     CompiledProvider,
     CompiledRole,
-    DegradedOutputSettings,
-    Dialect,
     ProxyConfig,
     SecretRef,
-    TimeoutSettings,
     with_hash,
 )
-from rolegate_policy.field_errors import shorten, translate
+from rolegate_policy.enums import (
+    Dialect,
+)
+from rolegate_policy.field_errors import FieldError, shorten, translate
 from rolegate_policy.manifests import LoadResult, Manifest, load_manifest_dir
 from rolegate_policy.model import (
     DNS_SUBDOMAIN_PATTERN,
     PROVIDER_POLICY_KIND,
     ROLE_TABLE_KIND,
     SPEC_MODELS,
+    BreakerSpec,
+    DegradedOutputSpec,
     ProviderPolicySpec,
     RoleSpec,
     RoleTableSpec,
+    TimeoutsSpec,
     parse_spec,
 )
 from rolegate_policy.report import format_report, render_json
@@ -61,7 +63,6 @@ from rolegate_policy.verdicts import (
     AcceptedReason,
     CompileResult,
     EffectiveRuling,
-    FieldError,
     IgnoredDocument,
     ResourceVerdict,
     join_errors,
@@ -355,9 +356,9 @@ def _compile_provider(manifest: Manifest, spec: ProviderPolicySpec) -> CompiledP
         dialect=spec.dialect,
         api_key_secret_ref=SecretRef(name=secret.name, key=secret.key) if secret else None,
         models=tuple(sorted(models, key=lambda m: m.name)),
-        breaker=BreakerSettings(**spec.breaker.model_dump()),
-        degraded_output=DegradedOutputSettings(**spec.degraded_output.model_dump()),
-        timeouts=TimeoutSettings(**spec.timeouts.model_dump()),
+        breaker=BreakerSpec(**spec.breaker.model_dump()),
+        degraded_output=DegradedOutputSpec(**spec.degraded_output.model_dump()),
+        timeouts=TimeoutsSpec(**spec.timeouts.model_dump()),
     )
 
 

@@ -9,39 +9,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from rolegate_policy.enums import Dialect, Ruling, Visibility
+from rolegate_policy.model import BreakerSpec, DegradedOutputSpec, TimeoutsSpec
 
 CONFIG_FORMAT_VERSION = 1
 
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class Visibility(StrEnum):
-    WATCHED = "Watched"
-    UNWATCHED = "Unwatched"
-
-
-class Ruling(StrEnum):
-    ORDER = "Order"
-    ONLY = "Only"
-    AUTO = "Auto"
-
-
-class Dialect(StrEnum):
-    # A plain OpenAI-compatible server (vLLM, llama.cpp, a direct host): one machine.
-    OPENAI = "OpenAI"
-    # An OpenRouter-style aggregator routing inside itself by the body field `provider`.
-    AGGREGATOR = "Aggregator"
-
-
-class TransportScope(StrEnum):
-    PROVIDER = "Provider"
-    MODEL = "Model"
 
 
 class SecretRef(Frozen):
@@ -65,32 +44,6 @@ class CompiledModel(Frozen):
     machines: tuple[CompiledMachine, ...]
 
 
-class BreakerSettings(Frozen):
-    cooldown_seconds: float = 30.0
-    max_cooldown_seconds: float = 600.0
-    backoff_multiplier: float = 2.0
-    jitter_fraction: float = 0.1
-    novel_signature_count: int = 2
-    familiar_signature_count: int = 5
-    novelty_window_seconds: float = 86400.0
-    rate_threshold: float = 0.25
-    rate_window: int = 100
-    rate_min_samples: int = 20
-    transport_scope: TransportScope = TransportScope.PROVIDER
-
-
-class DegradedOutputSettings(Frozen):
-    detect_empty: bool = True
-    detect_mangled: bool = True
-
-
-class TimeoutSettings(Frozen):
-    connect_seconds: float = 5.0
-    # Longest silence tolerated between two bytes of an answer before the attempt is
-    # abandoned; the role's patience lowers it further per request.
-    idle_seconds: float = 60.0
-
-
 class CompiledProvider(Frozen):
     name: str
     source: str
@@ -98,9 +51,10 @@ class CompiledProvider(Frozen):
     dialect: Dialect
     api_key_secret_ref: SecretRef | None = None
     models: tuple[CompiledModel, ...]
-    breaker: BreakerSettings = BreakerSettings()
-    degraded_output: DegradedOutputSettings = DegradedOutputSettings()
-    timeouts: TimeoutSettings = TimeoutSettings()
+    # The spec models themselves: their defaults are the defaults, stated once.
+    breaker: BreakerSpec = BreakerSpec()
+    degraded_output: DegradedOutputSpec = DegradedOutputSpec()
+    timeouts: TimeoutsSpec = TimeoutsSpec()
 
     def model(self, name: str) -> CompiledModel | None:
         for model in self.models:

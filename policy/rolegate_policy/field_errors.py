@@ -16,9 +16,7 @@ import typing
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
-
-from rolegate_policy.verdicts import FieldError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 Loc = tuple[str | int, ...]
 
@@ -42,6 +40,18 @@ _KEY_QUALIFIERS = frozenset({"api", "access", "private", "secret", "auth"})
 
 # Patterns get a plain-language gloss; a bare regular expression is not a fix.
 _PATTERN_HINTS: dict[str, str] = {}
+
+
+class FieldError(BaseModel):
+    """One problem, pinned to the field path it is about."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}" if self.field else self.message
 
 
 def register_pattern_hint(pattern: str, hint: str) -> str:

@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 
 from rolegate_policy import GROUP
-from rolegate_policy.field_errors import shorten
-from rolegate_policy.verdicts import AcceptedReason, FieldError, IgnoredDocument, ResourceVerdict
+from rolegate_policy.field_errors import FieldError, shorten
+from rolegate_policy.verdicts import AcceptedReason, IgnoredDocument, ResourceVerdict
 
 MANIFEST_SUFFIXES = (".yaml", ".yml")
 

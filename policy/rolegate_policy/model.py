@@ -29,7 +29,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from rolegate_policy.config import Dialect, Ruling, TransportScope, Visibility
+from rolegate_policy.enums import Dialect, Ruling, TransportScope, Visibility
 from rolegate_policy.field_errors import Loc, SpecRuleError, register_pattern_hint, shorten
 
 ROLE_TABLE_KIND: Final = "RoleTable"

@@ -8,7 +8,10 @@ when nobody watches the stream (the whole call is dead time) and the deadline is
 
 from __future__ import annotations
 
-from rolegate_policy.config import Ruling, Visibility
+from rolegate_policy.enums import (
+    Ruling,
+    Visibility,
+)
 
 DECLARED = "declared"
 

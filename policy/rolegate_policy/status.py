@@ -17,7 +17,9 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from rolegate_policy.config import Ruling
+from rolegate_policy.enums import (
+    Ruling,
+)
 from rolegate_policy.model import DNS_SUBDOMAIN_PATTERN, ROLE_NAME_PATTERN, ModelName
 
 # The condition types.

@@ -12,7 +12,13 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
-from rolegate_policy.config import ProxyConfig, Ruling
+from rolegate_policy.config import (
+    ProxyConfig,
+)
+from rolegate_policy.enums import (
+    Ruling,
+)
+from rolegate_policy.field_errors import FieldError
 
 
 class AcceptedReason(StrEnum):
@@ -32,16 +38,6 @@ class AcceptedReason(StrEnum):
 
 class _Record(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class FieldError(_Record):
-    """One problem, pinned to the field path it is about."""
-
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}" if self.field else self.message
 
 
 class EffectiveRuling(_Record):

@@ -15,7 +15,9 @@ from rolegate_operator.conditions import EventNote
 from rolegate_operator.controller import Controller, Options, PassFailed, debounce_deadline
 from rolegate_operator.kube import ConfigMapWrite
 from rolegate_operator.store import ResourceKey, Store
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 
 from .builders import as_stored, key_of, provider, role, role_table
 

@@ -17,7 +17,9 @@ from kubernetes import client, config
 
 from rolegate_cli.controlplane import free_port
 from rolegate_policy.compile import compile_manifests
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 from rolegate_policy.manifests import manifest_from_object
 from tests.policy.builders import provider, role, role_table
 

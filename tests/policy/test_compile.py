@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from rolegate_policy.compile import compile_directory, compile_manifests
-from rolegate_policy.config import ProxyConfig, Ruling, Visibility
+from rolegate_policy.config import (
+    ProxyConfig,
+)
+from rolegate_policy.enums import (
+    Ruling,
+    Visibility,
+)
 from rolegate_policy.manifests import Manifest, ManifestError, manifest_from_object
 from rolegate_policy.report import format_report, render_json
 from rolegate_policy.rulings import resolve_ruling

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from rolegate_policy.compile import run_compile
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 
 from .builders import GOLDEN, PLANTED_SECRET
 

@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from rolegate_policy.config import Dialect, Ruling, TransportScope, Visibility
+from rolegate_policy.enums import (
+    Dialect,
+    Ruling,
+    TransportScope,
+    Visibility,
+)
 from rolegate_policy.field_errors import translate
 from rolegate_policy.model import (
     BreakerSpec,

@@ -13,7 +13,13 @@ from email.utils import format_datetime
 
 import pytest
 
-from rolegate_policy.config import BreakerSettings, DegradedOutputSettings, TransportScope
+from rolegate_policy.enums import (
+    TransportScope,
+)
+from rolegate_policy.model import (
+    BreakerSpec,
+    DegradedOutputSpec,
+)
 from rolegate_policy.status import CAMEL_CASE_PATTERN, BreakerPhase, Scope, TripReason
 from rolegate_proxy.core import breaker as breaker_module
 from rolegate_proxy.core import evidence as evidence_module
@@ -41,7 +47,7 @@ from rolegate_proxy.core.exclusions import (
 )
 from rolegate_proxy.core.verdicts import ASCII_PROMPT, PromptProfile, Verdict, judge, profile_texts
 
-NO_JITTER = BreakerSettings(jitter_fraction=0.0)
+NO_JITTER = BreakerSpec(jitter_fraction=0.0)
 MOJIBAKE = bytes.fromhex("c3a2c280c294").decode("utf-8")  # a double-encoded em dash
 JAPANESE = profile_texts(["日本語で答えて"])
 
@@ -53,14 +59,14 @@ QWEN, DEEPSEEK = "qwen3.6-35b", "deepseek-v4-flash"
 
 
 def make(
-    settings: BreakerSettings = NO_JITTER,
+    settings: BreakerSpec = NO_JITTER,
     *,
     seed: int = 0,
-    degraded: DegradedOutputSettings | None = None,
+    degraded: DegradedOutputSpec | None = None,
     max_keys: int = 4096,
 ) -> Breakers:
-    def degraded_for(_provider: str) -> DegradedOutputSettings:
-        return degraded or DegradedOutputSettings()
+    def degraded_for(_provider: str) -> DegradedOutputSpec:
+        return degraded or DegradedOutputSpec()
 
     return Breakers(
         lambda _provider: settings,
@@ -228,7 +234,7 @@ def test_transport_faults_follow_the_declared_scope() -> None:
         (TransportScope.PROVIDER, BreakerKey("p")),
         (TransportScope.MODEL, BreakerKey("p", "m")),
     ):
-        breakers = make(BreakerSettings(jitter_fraction=0, transport_scope=scope))
+        breakers = make(BreakerSpec(jitter_fraction=0, transport_scope=scope))
         breakers.record(status(503), 0.0)
         (trip,) = breakers.record(status(502), 1.0)
         assert trip.key == key
@@ -298,7 +304,7 @@ def test_a_familiar_signature_needs_the_configured_count() -> None:
 
 
 def test_a_signature_unseen_for_the_novelty_window_is_new_again() -> None:
-    settings = BreakerSettings(jitter_fraction=0, novelty_window_seconds=3600)
+    settings = BreakerSpec(jitter_fraction=0, novelty_window_seconds=3600)
     breakers = make(settings)
     open_breaker(breakers, empty, 0.0)
     breakers.admit("p", "m", None, 100.0)
@@ -342,7 +348,7 @@ def test_a_new_signature_trips_at_its_count_whatever_the_traffic() -> None:
 
 def test_the_rate_arm_trips_at_its_minimum_sample() -> None:
     # Count arms out of reach: only the rate can trip.
-    settings = BreakerSettings(
+    settings = BreakerSpec(
         jitter_fraction=0, novel_signature_count=10_000, familiar_signature_count=10_000
     )
     breakers = make(settings)
@@ -360,7 +366,7 @@ def test_the_rate_arm_trips_at_its_minimum_sample() -> None:
 
 
 def test_the_rate_arm_needs_its_minimum_sample() -> None:
-    settings = BreakerSettings(
+    settings = BreakerSpec(
         jitter_fraction=0, novel_signature_count=10_000, familiar_signature_count=10_000
     )
     breakers = make(settings)
@@ -377,7 +383,7 @@ def test_the_rate_arm_needs_its_minimum_sample() -> None:
 
 
 def test_successes_are_the_rate_arms_denominator() -> None:
-    settings = BreakerSettings(
+    settings = BreakerSpec(
         jitter_fraction=0, novel_signature_count=10_000, familiar_signature_count=10_000
     )
     breakers = make(settings)
@@ -406,7 +412,7 @@ def _incident_outcome(model: str, i: int) -> Attempted:
 
 def test_the_measured_empty_200_incident_replayed() -> None:
     """Seed 000, 2026-09-08: one model at 35% empty-on-200, three at 0%, two providers."""
-    breakers = make(BreakerSettings())  # the defaults, jitter included
+    breakers = make(BreakerSpec())  # the defaults, jitter included
     calls = {NEMOTRON: 0, GLM: 0, QWEN: 0, DEEPSEEK: 0}
     trip_at_call: int | None = None
     transitions: list[Transition] = []
@@ -427,7 +433,7 @@ def test_the_measured_empty_200_incident_replayed() -> None:
 
     # The 35% pair trips within the rate arm's minimum sample...
     assert trip_at_call is not None
-    assert trip_at_call <= BreakerSettings().rate_min_samples
+    assert trip_at_call <= BreakerSpec().rate_min_samples
     trips = tripped(transitions)
     assert trips
     assert {t.key for t in trips} == {BreakerKey(OPENROUTER, NEMOTRON)}
@@ -443,7 +449,7 @@ def test_the_measured_empty_200_incident_replayed() -> None:
 
 
 def test_the_rate_arm_alone_trips_the_incident_within_its_minimum_sample() -> None:
-    settings = BreakerSettings(novel_signature_count=10_000, familiar_signature_count=10_000)
+    settings = BreakerSpec(novel_signature_count=10_000, familiar_signature_count=10_000)
     breakers = make(settings)
     for i in range(settings.rate_min_samples):
         if tripped(breakers.record(_incident_outcome(NEMOTRON, i), 14.0 * i)):
@@ -453,7 +459,7 @@ def test_the_rate_arm_alone_trips_the_incident_within_its_minimum_sample() -> No
 
 
 def test_zero_percent_never_trips_over_thousands_of_calls() -> None:
-    breakers = make(BreakerSettings())
+    breakers = make(BreakerSpec())
     now = 0.0
     for i in range(3000):
         for model in (GLM, QWEN, DEEPSEEK):
@@ -463,7 +469,7 @@ def test_zero_percent_never_trips_over_thousands_of_calls() -> None:
 
 
 def test_disabled_detection_counts_nothing() -> None:
-    breakers = make(degraded=DegradedOutputSettings(detect_empty=False, detect_mangled=False))
+    breakers = make(degraded=DegradedOutputSpec(detect_empty=False, detect_mangled=False))
     for i in range(100):
         assert breakers.record(empty(), float(i)) == []
         assert breakers.record(mangled(), float(i)) == []
@@ -489,14 +495,14 @@ def _cooldowns(breakers: Breakers, n: int) -> list[float]:
 
 def test_the_cooldown_grows_exponentially_up_to_its_cap() -> None:
     assert _cooldowns(make(), 8) == pytest.approx([30, 60, 120, 240, 480, 600, 600, 600])
-    slow = BreakerSettings(
+    slow = BreakerSpec(
         jitter_fraction=0, cooldown_seconds=5, max_cooldown_seconds=40, backoff_multiplier=3
     )
     assert _cooldowns(make(slow), 4) == pytest.approx([5, 15, 40, 40])
 
 
 def test_jitter_stays_within_its_fraction_and_separates_replicas() -> None:
-    settings = BreakerSettings(jitter_fraction=0.1)
+    settings = BreakerSpec(jitter_fraction=0.1)
     seen: list[list[float]] = []
     for seed in range(40):
         cooldowns = _cooldowns(make(settings, seed=seed), 7)
@@ -677,7 +683,7 @@ def test_retry_after_sets_the_open_time_of_that_key() -> None:
 
 
 def test_retry_after_follows_the_machine_and_the_transport_scope() -> None:
-    breakers = make(BreakerSettings(transport_scope=TransportScope.MODEL))
+    breakers = make(BreakerSpec(transport_scope=TransportScope.MODEL))
     (t,) = breakers.record(status(429, retry_after=3.0), 0.0)
     assert t.key == BreakerKey("p", "m")
     (t,) = breakers.record(status(429, "agg", "m", machine="DeepInfra", retry_after=3.0), 0.0)
@@ -823,7 +829,7 @@ def test_keys_are_bounded_and_open_breakers_survive_eviction() -> None:
 
 
 def test_idle_closed_keys_are_evicted_after_the_novelty_window() -> None:
-    settings = BreakerSettings(novelty_window_seconds=100)
+    settings = BreakerSpec(novelty_window_seconds=100)
     breakers = make(settings)
     for i in range(5):
         breakers.record(clean("p", f"m{i}"), 0.0)
@@ -834,11 +840,11 @@ def test_idle_closed_keys_are_evicted_after_the_novelty_window() -> None:
 
 
 def test_a_reloaded_rate_window_keeps_the_latest_outcomes() -> None:
-    current = {"settings": BreakerSettings(jitter_fraction=0, novel_signature_count=10_000)}
+    current = {"settings": BreakerSpec(jitter_fraction=0, novel_signature_count=10_000)}
     breakers = Breakers(lambda _p: current["settings"], random.Random(0))
     for i in range(50):
         breakers.record(clean(), float(i))
-    current["settings"] = BreakerSettings(
+    current["settings"] = BreakerSpec(
         jitter_fraction=0,
         novel_signature_count=10_000,
         familiar_signature_count=10_000,
@@ -878,6 +884,8 @@ def test_verdicts_and_breakers_expose_and_import_no_score() -> None:
             "typing",
             "email.utils",
             "rolegate_policy.config",
+            "rolegate_policy.enums",
+            "rolegate_policy.model",
             "rolegate_policy.status",
             ".evidence",
             ".exclusions",

@@ -12,15 +12,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolegate_policy.config import (
-    BreakerSettings,
     CompiledMachine,
     CompiledModel,
     CompiledProvider,
     CompiledRole,
-    Dialect,
     ProxyConfig,
+)
+from rolegate_policy.enums import (
+    Dialect,
     Ruling,
     Visibility,
+)
+from rolegate_policy.model import (
+    BreakerSpec,
 )
 from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
 from rolegate_proxy.core.breaker import Attempted, Breakers
@@ -100,7 +104,7 @@ def nothing_excluded(_p: str, _m: str, _machine: str | None, _now: float) -> Exc
 
 
 def breakers() -> Breakers:
-    return Breakers(lambda _p: BreakerSettings(jitter_fraction=0.0), random.Random(0))
+    return Breakers(lambda _p: BreakerSpec(jitter_fraction=0.0), random.Random(0))
 
 
 def candidate(config: ProxyConfig, provider_name: str, model: str) -> Candidate:

@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 
 from rolegate_policy.config import (
     CompiledRole,
+)
+from rolegate_policy.enums import (
     Ruling,
     Visibility,
 )

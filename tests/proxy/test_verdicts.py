@@ -12,7 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rolegate_policy.config import CompiledRole, Ruling, Visibility
+from rolegate_policy.config import (
+    CompiledRole,
+)
+from rolegate_policy.enums import (
+    Ruling,
+    Visibility,
+)
 from rolegate_proxy.core.verdicts import (
     ASCII_PROMPT,
     DOUBLE_ENCODED,

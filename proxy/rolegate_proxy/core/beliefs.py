@@ -39,7 +39,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final, NamedTuple
 
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 
 # Any observed duration is floored here before its log is taken (a burst of tokens in one
 # network read has a gap of "zero").

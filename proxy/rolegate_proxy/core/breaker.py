@@ -27,7 +27,13 @@ from enum import StrEnum
 from itertools import islice
 from typing import Final
 
-from rolegate_policy.config import BreakerSettings, DegradedOutputSettings, TransportScope
+from rolegate_policy.enums import (
+    TransportScope,
+)
+from rolegate_policy.model import (
+    BreakerSpec,
+    DegradedOutputSpec,
+)
 from rolegate_policy.status import BreakerPhase, TripReason
 
 from .evidence import CallBuckets, RateWindow, SignatureHistory
@@ -187,7 +193,7 @@ class _Hard:
     status: int
 
 
-def _transport_key(outcome: Attempted, settings: BreakerSettings) -> BreakerKey:
+def _transport_key(outcome: Attempted, settings: BreakerSpec) -> BreakerKey:
     # A direct provider's one machine carries the provider's name: it is not a sub-provider.
     if outcome.machine is not None and outcome.machine != outcome.provider:
         return BreakerKey(outcome.provider, outcome.model, outcome.machine)
@@ -197,7 +203,7 @@ def _transport_key(outcome: Attempted, settings: BreakerSettings) -> BreakerKey:
 
 
 def _classify(
-    outcome: Attempted, settings: BreakerSettings, degraded: DegradedOutputSettings
+    outcome: Attempted, settings: BreakerSpec, degraded: DegradedOutputSpec
 ) -> tuple[list[_Sample], _Hard | None, bool]:
     """The samples an outcome contributes, the hard exclusion it imposes, and whether it was
     an answer (a 2xx that completed)."""
@@ -310,8 +316,8 @@ class _Entry:
 # --- the breakers -----------------------------------------------------------------------------
 
 
-def _all_on(_provider: str) -> DegradedOutputSettings:
-    return DegradedOutputSettings()
+def _all_on(_provider: str) -> DegradedOutputSpec:
+    return DegradedOutputSpec()
 
 
 class Breakers:
@@ -320,17 +326,17 @@ class Breakers:
     clock throughout) and jitter comes from `rng`. Not thread-safe; the proxy's event loop
     is its only caller.
 
-    `settings_for(provider)` gives that provider's BreakerSettings and is asked on every
+    `settings_for(provider)` gives that provider's BreakerSpec and is asked on every
     call, so a reloaded configuration applies at once; `degraded_for(provider)` which
     degraded answers count (all, by default).
     """
 
     def __init__(
         self,
-        settings_for: Callable[[str], BreakerSettings],
+        settings_for: Callable[[str], BreakerSpec],
         rng: random.Random,
         *,
-        degraded_for: Callable[[str], DegradedOutputSettings] = _all_on,
+        degraded_for: Callable[[str], DegradedOutputSpec] = _all_on,
         burst_seconds: float = BURST_SECONDS,
         probe_lease_seconds: float = PROBE_LEASE_SECONDS,
         max_keys: int = MAX_KEYS,
@@ -407,7 +413,7 @@ class Breakers:
         entry: _Entry,
         sample: _Sample,
         evidence: _Evidence,
-        settings: BreakerSettings,
+        settings: BreakerSpec,
         now: float,
     ) -> Transition | None:
         reason = REASON_OF_FAMILY[sample.family]
@@ -448,7 +454,7 @@ class Breakers:
         trigger: Trigger,
         detail: str,
         now: float,
-        settings: BreakerSettings,
+        settings: BreakerSpec,
     ) -> Transition:
         flapping = (
             entry.recovered_at is not None
@@ -502,7 +508,7 @@ class Breakers:
         )
 
     def _impose(
-        self, hard: _Hard, retry_after: float | None, now: float, settings: BreakerSettings
+        self, hard: _Hard, retry_after: float | None, now: float, settings: BreakerSpec
     ) -> list[Transition]:
         entry = self._entry(hard.key, now)
         exclusion = entry.hard.get(hard.cause)
@@ -572,7 +578,7 @@ class Breakers:
             "expired",
         )
 
-    def _cooldown(self, settings: BreakerSettings, consecutive: int) -> float:
+    def _cooldown(self, settings: BreakerSpec, consecutive: int) -> float:
         """cooldown * multiplier^(consecutive - 1), capped, then +- jitter_fraction."""
         cap = max(settings.max_cooldown_seconds, settings.cooldown_seconds)
         value = settings.cooldown_seconds
@@ -815,7 +821,7 @@ class Breakers:
         return entry
 
     def _evidence(
-        self, entry: _Entry, family: Family, settings: BreakerSettings, now: float
+        self, entry: _Entry, family: Family, settings: BreakerSpec, now: float
     ) -> _Evidence:
         evidence = entry.evidence.get(family)
         if evidence is None:
@@ -831,9 +837,7 @@ class Breakers:
             evidence.rate = evidence.rate.resized(settings.rate_window)
         return evidence
 
-    def _history(
-        self, entry: _Entry, signature: str, settings: BreakerSettings
-    ) -> SignatureHistory:
+    def _history(self, entry: _Entry, signature: str, settings: BreakerSpec) -> SignatureHistory:
         needed = min(
             max(settings.novel_signature_count, settings.familiar_signature_count), MAX_HISTORY
         )

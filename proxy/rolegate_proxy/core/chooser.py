@@ -44,7 +44,14 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Final
 
-from rolegate_policy.config import CompiledMachine, CompiledModel, CompiledRole, Ruling
+from rolegate_policy.config import (
+    CompiledMachine,
+    CompiledModel,
+    CompiledRole,
+)
+from rolegate_policy.enums import (
+    Ruling,
+)
 
 from .beliefs import Ledger, MachineBelief, MachineKey
 from .exclusions import (

@@ -19,8 +19,10 @@ from rolegate_policy.config import (
     CompiledModel,
     CompiledProvider,
     CompiledRole,
-    Dialect,
     ProxyConfig,
+)
+from rolegate_policy.enums import (
+    Dialect,
     Ruling,
 )
 

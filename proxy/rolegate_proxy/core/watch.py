@@ -61,7 +61,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 
-from rolegate_policy.config import CompiledRole
+from rolegate_policy.config import (
+    CompiledRole,
+)
 
 from .beliefs import MIN_SECONDS, GapStats, MachineBelief, MachineKey, Sighting
 from .chooser import Alternative

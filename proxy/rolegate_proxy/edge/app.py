@@ -13,7 +13,9 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 
 from ..core.decisions import Decision
 from ..core.outcomes import Outcome, OutcomeKind

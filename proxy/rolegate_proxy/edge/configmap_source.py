@@ -22,7 +22,9 @@ from typing import Any
 import aiohttp
 from pydantic import ValidationError
 
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 
 from .kube_api import KubeAccess, load_access
 

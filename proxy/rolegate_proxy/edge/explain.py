@@ -16,7 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 
 from ..core.beliefs import MachineKey
 from ..core.score import Scoreboard, ScoreView

@@ -10,7 +10,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 
 from .app import create_app
 from .configmap_source import ConfigMapSource

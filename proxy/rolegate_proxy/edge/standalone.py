@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import TextIO
 
 from rolegate_policy.compile import compile_directory
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 from rolegate_policy.report import format_report
 
 

@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
-from rolegate_policy.config import BreakerSettings, DegradedOutputSettings, ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
+from rolegate_policy.model import (
+    BreakerSpec,
+    DegradedOutputSpec,
+)
 
 from ..core.breaker import Breakers
 from ..core.decisions import DecisionLog
@@ -109,13 +115,13 @@ class ProxyState:
                     log.exception("outcome consumer %r failed on a batch", consumer)
         return len(batch)
 
-    def _breaker_settings(self, provider: str) -> BreakerSettings:
+    def _breaker_settings(self, provider: str) -> BreakerSpec:
         found = self.config.provider(provider)
-        return found.breaker if found is not None else BreakerSettings()
+        return found.breaker if found is not None else BreakerSpec()
 
-    def _degraded_settings(self, provider: str) -> DegradedOutputSettings:
+    def _degraded_settings(self, provider: str) -> DegradedOutputSpec:
         found = self.config.provider(provider)
-        return found.degraded_output if found is not None else DegradedOutputSettings()
+        return found.degraded_output if found is not None else DegradedOutputSpec()
 
     async def swap_config(self, config: ProxyConfig) -> None:
         """Serve `config` from the next request on; requests in flight keep theirs."""

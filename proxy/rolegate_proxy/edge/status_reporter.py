@@ -27,7 +27,9 @@ from typing import Any
 import aiohttp
 
 from rolegate_policy import API_VERSION
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
 from rolegate_policy.status import MAX_BREAKERS_PER_REPORT, BreakerPhase, BreakerReport, PodReport
 
 from ..core.exclusions import (

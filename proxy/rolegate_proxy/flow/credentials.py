@@ -20,7 +20,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rolegate_policy.config import ProxyConfig, SecretRef
+from rolegate_policy.config import (
+    ProxyConfig,
+    SecretRef,
+)
 
 DEFAULT_SECRETS_DIR = Path("/var/run/secrets/rolegate")
 

@@ -23,7 +23,12 @@ from dataclasses import dataclass, field, replace
 
 from aiohttp import web
 
-from rolegate_policy.config import Dialect, ProxyConfig
+from rolegate_policy.config import (
+    ProxyConfig,
+)
+from rolegate_policy.enums import (
+    Dialect,
+)
 
 from ..core.beliefs import GapStats, Ledger, MachineKey, Sighting
 from ..core.breaker import Attempted, Breakers, TransportFault

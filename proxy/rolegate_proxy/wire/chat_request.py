@@ -7,7 +7,10 @@ from typing import Any
 
 import orjson
 
-from rolegate_policy.config import CompiledRole, ProxyConfig
+from rolegate_policy.config import (
+    CompiledRole,
+    ProxyConfig,
+)
 
 from ..core.verdicts import PromptProfile, profile_prompt
 from .errors import ProxyError, bad_request
