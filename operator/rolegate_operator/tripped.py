@@ -25,15 +25,16 @@ from rolegate_operator.conditions import (
     EventNote,
     render_condition,
 )
+from rolegate_policy.signatures import FAMILY_REASONS
 from rolegate_policy.status import TRIPPED, ConditionStatus, PodReport, Scope, TripReason
 
 NOT_TRIPPED_REASON: Final = "NoOpenBreakers"
 MAX_SUMMARY: Final = 256
-# When reasons tie, the one a person should hear about first.
+# When reasons tie, the one a person should hear about first: the degraded-output and
+# transport families in the signature table's order of severity, then the exclusions the
+# upstream imposed itself.
 _REASON_ORDER: Final = (
-    TripReason.MANGLED_OUTPUT,
-    TripReason.EMPTY_RESPONSES,
-    TripReason.UPSTREAM_ERRORS,
+    *FAMILY_REASONS.values(),
     TripReason.AUTH_FAILURE,
     TripReason.QUOTA,
     TripReason.RATE_LIMITED,

@@ -20,6 +20,7 @@ from rolegate_policy.model import (
     BreakerSpec,
     DegradedOutputSpec,
 )
+from rolegate_policy.signatures import Signature
 from rolegate_policy.status import CAMEL_CASE_PATTERN, BreakerPhase, Scope, TripReason
 from rolegate_proxy.core import breaker as breaker_module
 from rolegate_proxy.core import evidence as evidence_module
@@ -223,7 +224,7 @@ def test_low_confidence_signatures_never_trip() -> None:
     breakers = make()
     smart_quotes = Attempted.answered("p", "m", verdict("\u201cquoted\u201d"))
     assert smart_quotes.verdict is not None
-    assert smart_quotes.verdict.signature is verdicts_module.Signature.NON_ASCII_NOT_IN_PROMPT
+    assert smart_quotes.verdict.signature is Signature.NON_ASCII_NOT_IN_PROMPT
     for i in range(1000):
         assert breakers.record(smart_quotes, float(i)) == []
     assert breakers.exclusion("p", "m", None, 1000.0) is None
@@ -886,6 +887,7 @@ def test_verdicts_and_breakers_expose_and_import_no_score() -> None:
             "rolegate_policy.config",
             "rolegate_policy.enums",
             "rolegate_policy.model",
+            "rolegate_policy.signatures",
             "rolegate_policy.status",
             ".evidence",
             ".exclusions",

@@ -19,6 +19,7 @@ from rolegate_policy.enums import (
     Ruling,
     Visibility,
 )
+from rolegate_policy.signatures import Signature
 from rolegate_proxy.core.verdicts import (
     ASCII_PROMPT,
     DOUBLE_ENCODED,
@@ -26,7 +27,6 @@ from rolegate_proxy.core.verdicts import (
     ROW_KIND,
     Confidence,
     PromptProfile,
-    Signature,
     Verdict,
     VerdictKind,
     VerdictLog,

@@ -34,7 +34,8 @@ from rolegate_policy.model import (
     BreakerSpec,
     DegradedOutputSpec,
 )
-from rolegate_policy.status import BreakerPhase, TripReason
+from rolegate_policy.signatures import FAMILY_REASONS, Family, SignatureRule
+from rolegate_policy.status import BreakerPhase, Scope, TripReason
 
 from .evidence import CallBuckets, RateWindow, SignatureHistory
 from .exclusions import (
@@ -51,7 +52,7 @@ from .exclusions import (
     covering_keys,
     is_transport_status,
 )
-from .verdicts import Confidence, Signature, Verdict, VerdictKind
+from .verdicts import Verdict
 
 # The short window the count arms look back over: a novel signature must be seen
 # novel_signature_count times, a familiar one familiar_signature_count times, within it.
@@ -76,17 +77,6 @@ class TransportFault(StrEnum):
     STREAM_ERROR = "stream_error"
 
 
-class Family(StrEnum):
-    ENCODING = "encoding"
-    CONTENT = "content"
-    TRANSPORT = "transport"
-
-
-REASON_OF_FAMILY: Final = {
-    Family.ENCODING: TripReason.MANGLED_OUTPUT,
-    Family.CONTENT: TripReason.EMPTY_RESPONSES,
-    Family.TRANSPORT: TripReason.UPSTREAM_ERRORS,
-}
 _FAULTY: Final = {
     Family.ENCODING: ("answers", "mangled"),
     Family.CONTENT: ("answers", "empty"),
@@ -228,24 +218,38 @@ def _classify(
             return [_Sample(Family.TRANSPORT, key, signature)], None, False
         return [], None, False  # about the request: no evidence either way
     samples = [_Sample(Family.TRANSPORT, _transport_key(outcome, settings), None)]
-    verdict = outcome.verdict
-    if verdict is not None:
-        model_key = BreakerKey(outcome.provider, outcome.model)
-        if verdict.signature is Signature.EMPTY_RESPONSE:
-            if degraded.detect_empty and verdict.attributable:
-                samples.append(_Sample(Family.CONTENT, model_key, verdict.signature.value))
-        else:
-            samples.append(_Sample(Family.CONTENT, model_key, None))
-        if verdict.kind is VerdictKind.MANGLED and degraded.detect_mangled:
-            provider_key = BreakerKey(outcome.provider)
-            if verdict.confidence is Confidence.HIGH and verdict.attributable:
-                assert verdict.signature is not None
-                samples.append(_Sample(Family.ENCODING, provider_key, verdict.signature.value))
-            elif verdict.signature is Signature.NON_ASCII_NOT_IN_PROMPT:
-                # Non-ASCII in an answer to an ASCII prompt, not mangled: the only kind of
-                # answer that could have shown an encoding fault and did not.
-                samples.append(_Sample(Family.ENCODING, provider_key, None))
+    samples.extend(_verdict_samples(outcome, degraded))
     return samples, None, True
+
+
+def _verdict_samples(outcome: Attempted, degraded: DegradedOutputSpec) -> list[_Sample]:
+    """What an answer's verdict is evidence of, as the signature table says: a counted
+    fault on its rule's key; for a diagnostic signature, a clean sample of its family (the
+    answer could have shown that fault and did not); for every answer that is not itself
+    a content fault, a clean content sample. Switched off or not the model's fault: no
+    evidence of its family either way."""
+    verdict = outcome.verdict
+    if verdict is None:
+        return []
+    clean_content = _Sample(Family.CONTENT, BreakerKey(outcome.provider, outcome.model), None)
+    rule = verdict.rule
+    if rule is None or verdict.signature is None:
+        return [clean_content]
+    samples = [] if rule.family is Family.CONTENT else [clean_content]
+    key = _rule_key(rule, outcome)
+    if verdict.counts(degraded):
+        samples.append(_Sample(rule.family, key, verdict.signature.value))
+    elif not rule.acts and rule.toggle(degraded):
+        samples.append(_Sample(rule.family, key, None))
+    return samples
+
+
+def _rule_key(rule: SignatureRule, outcome: Attempted) -> BreakerKey:
+    if rule.scope is Scope.PROVIDER:
+        return BreakerKey(outcome.provider)
+    if rule.scope is Scope.MACHINE and outcome.machine is not None:
+        return BreakerKey(outcome.provider, outcome.model, outcome.machine)
+    return BreakerKey(outcome.provider, outcome.model)
 
 
 @dataclass(slots=True)
@@ -377,7 +381,7 @@ class Breakers:
             fault = faults.get(key)
             if fault is not None:
                 detail = f"the re-probe failed: {fault.signature}"
-                reason = REASON_OF_FAMILY[fault.family]
+                reason = FAMILY_REASONS[fault.family]
                 transitions.append(self._trip(entry, reason, Trigger.PROBE, detail, now, settings))
             elif answered:
                 transitions.append(self._recover(entry, now))
@@ -416,7 +420,7 @@ class Breakers:
         settings: BreakerSpec,
         now: float,
     ) -> Transition | None:
-        reason = REASON_OF_FAMILY[sample.family]
+        reason = FAMILY_REASONS[sample.family]
         noun, faulty = _FAULTY[sample.family]
         # The rate arm, on every sample: the rate is over the window, whatever this one was.
         count, faults = evidence.rate.count, evidence.rate.faults

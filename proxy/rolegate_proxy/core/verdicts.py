@@ -31,6 +31,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
+from rolegate_policy.model import DegradedOutputSpec
+from rolegate_policy.signatures import RULES, Signature, SignatureRule
+
 # --- verdicts -------------------------------------------------------------------------------
 
 
@@ -39,15 +42,6 @@ class VerdictKind(StrEnum):
     MALFORMED = "malformed"
     UNVERIFIABLE = "unverifiable"
     MANGLED = "mangled"
-
-
-class Signature(StrEnum):
-    """What a degraded answer looked like; the breaker keys and counts by it."""
-
-    EMPTY_RESPONSE = "empty_response"
-    DOUBLE_ENCODED_UTF8 = "double_encoded_utf8"
-    REPLACEMENT_CHARACTER = "replacement_character"
-    NON_ASCII_NOT_IN_PROMPT = "non_ascii_not_in_prompt"
 
 
 class Confidence(StrEnum):
@@ -68,14 +62,25 @@ class Verdict:
     detail: str | None = None
 
     @property
+    def rule(self) -> SignatureRule | None:
+        """What its signature does (the one table, `rolegate_policy.signatures`)."""
+        return None if self.signature is None else RULES[self.signature]
+
+    @property
     def steers(self) -> bool:
-        """Whether this verdict may count against the machine: attributable, and either an
-        empty answer or high-confidence mangling."""
-        if not self.attributable:
+        """Whether this verdict may count against the machine whatever the settings: the
+        model's fault (attributable), with a signature that acts, detected with high
+        confidence where confidence applies (an empty answer has none)."""
+        rule = self.rule
+        if not self.attributable or rule is None or not rule.acts:
             return False
-        if self.kind is VerdictKind.MALFORMED:
-            return True
-        return self.kind is VerdictKind.MANGLED and self.confidence is Confidence.HIGH
+        return self.confidence is None or self.confidence is Confidence.HIGH
+
+    def counts(self, degraded: DegradedOutputSpec) -> bool:
+        """Whether it counts against the machine under this provider's degraded-output
+        settings: the streamed and the non-streamed path both ask this, and only this."""
+        rule = self.rule
+        return self.steers and rule is not None and rule.counts(degraded)
 
 
 OK: Final = Verdict(VerdictKind.OK)

@@ -60,8 +60,6 @@ from .relay import (
 )
 from .upstream import RequestFault, UpstreamFailure
 
-OK_VERDICT = Verdict(VerdictKind.OK)
-
 log = logging.getLogger("rolegate.proxy")
 
 # Attempts on one candidate (each ignoring the machines that failed before) and in all.
@@ -247,7 +245,7 @@ class Dispatcher:
                 )  # fmt: skip
                 raise
             verdict = self._judge(chat, completed.answer, attempt)
-            if verdict.steers:
+            if verdict.counts(attempt.provider.degraded_output):
                 raise UpstreamFailure(
                     attempt,
                     f"answered 200 but the answer is {verdict.kind.value}"
@@ -538,8 +536,7 @@ class Dispatcher:
         )
 
     def _judge(self, chat: ChatRequest, answer: Answer, attempt: Attempt) -> Verdict:
-        provider = attempt.provider
-        verdict = judge(
+        return judge(
             answer.text,
             finish_reason=answer.finish_reason,
             has_tool_calls=answer.has_tool_calls,
@@ -547,12 +544,6 @@ class Dispatcher:
             prompt=chat.prompt,
             client_capped=chat.client_capped(answer.finish_reason),
         )
-        settings = provider.degraded_output
-        if verdict.kind is VerdictKind.MALFORMED and not settings.detect_empty:
-            return OK_VERDICT
-        if verdict.kind is VerdictKind.MANGLED and not settings.detect_mangled:
-            return OK_VERDICT
-        return verdict
 
     def _record_answer(
         self, attempt: Attempt, answer: Answer, verdict: Verdict, started: float

@@ -215,7 +215,7 @@ async def open_stream(
                 prompt=chat.prompt,
                 client_capped=chat.client_capped(held.finish_reason),
             )
-            if verdict.steers:
+            if verdict.counts(attempt.provider.degraded_output):
                 # Empty on 200 before anything reached the client: another machine or
                 # model may still answer (SPEC A2, E4).
                 raise UpstreamFailure(
