@@ -29,6 +29,7 @@ from rolegate_policy.model import (
 from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
 from rolegate_proxy.core.breaker import Attempted, Breakers
 from rolegate_proxy.core.chooser import (
+    Choice,
     Chooser,
     Fate,
 )
@@ -37,6 +38,7 @@ from rolegate_proxy.core.exclusions import (
 )
 from rolegate_proxy.core.routing import Candidate, plan_candidates
 from rolegate_proxy.core.score import ObservationKind, ScoreScale
+from rolegate_proxy.wire.aggregator import provider_field
 
 AGG, DIRECT = "openrouter", "localvllm"
 NEMO, CODER = "mistralai/mistral-nemo", "qwen/qwen3-coder"
@@ -91,6 +93,12 @@ def role(
     )
 
 
+def _field(choice: Choice) -> dict[str, Any]:
+    """The choice's routing as the aggregator receives it (the wire's one spelling)."""
+    assert choice.routing is not None
+    return provider_field(choice.routing)
+
+
 def setup(*providers: CompiledProvider) -> tuple[ProxyConfig, Ledger, Chooser]:
     config = ProxyConfig(providers=providers)
     ledger = Ledger()
@@ -138,7 +146,7 @@ def test_a_machine_expected_past_the_patience_is_refused_and_goes_to_ignore() ->
     assert crawler.reason == "patience"
     assert crawler.expected_seconds == pytest.approx(2.0 + 600 / 5.0)
     assert "exceeds the role's patience of 60 s" in crawler.detail
-    assert choice.routing == {
+    assert _field(choice) == {
         "order": ["fast", "steady"],
         "ignore": ["crawler"],
         "allow_fallbacks": True,
@@ -150,7 +158,7 @@ def test_the_only_ruling_demands_the_admitted_set() -> None:
     reflex = role("reflex", patience=60.0, visibility=Visibility.UNWATCHED, ruling=Ruling.ONLY)
     choice = chooser.choose(reflex, candidate(config, AGG, CODER), nothing_excluded, 0.0)
     assert choice.ruling is Ruling.ONLY
-    assert choice.routing == {"only": ["fast", "steady"], "allow_fallbacks": False}
+    assert _field(choice) == {"only": ["fast", "steady"], "allow_fallbacks": False}
 
 
 def test_seed_case_3_reflex_sends_only_and_a_watched_role_sends_order_and_ignore() -> None:
@@ -168,9 +176,9 @@ def test_seed_case_3_reflex_sends_only_and_a_watched_role_sends_order_and_ignore
     agent = role("agent", (NEMO,), patience=120.0, tokens=200)
     lookup = chooser.choose(reflex, candidate(config, AGG, NEMO), nothing_excluded, 0.0)
     step = chooser.choose(agent, candidate(config, AGG, NEMO), nothing_excluded, 0.0)
-    assert lookup.routing == {"only": ["deepinfra", "mistral"], "allow_fallbacks": False}
+    assert _field(lookup) == {"only": ["deepinfra", "mistral"], "allow_fallbacks": False}
     assert lookup.refused == ("slowpoke",)
-    assert step.routing == {
+    assert _field(step) == {
         "order": ["deepinfra", "mistral", "slowpoke"],
         "allow_fallbacks": True,
     }
@@ -195,7 +203,7 @@ def test_hard_exclusions_refuse_with_the_breakers_reason() -> None:
     assert fast.fate is Fate.EXCLUDED
     assert fast.reason == "RateLimited"
     assert fast.exclusion is not None
-    assert choice.routing == {
+    assert _field(choice) == {
         "order": ["steady"],
         "ignore": ["fast", "crawler"],
         "allow_fallbacks": True,
@@ -248,7 +256,7 @@ def test_with_nothing_admitted_anywhere_the_last_resort_is_an_order_of_the_slow(
     assert fallback.last_resort
     assert fallback.sendable
     assert fallback.ruling is Ruling.ORDER
-    assert fallback.routing == {
+    assert _field(fallback) == {
         "order": ["steady", "crawler"],
         "ignore": ["fast"],
         "allow_fallbacks": True,
@@ -321,7 +329,7 @@ def test_seed_case_3_an_unknown_machine_becomes_a_candidate_and_is_refused_by_na
     assert deka.admitted
     assert not deka.on_sheet
     assert known.routing is not None
-    assert "dekallm" in known.routing["order"]
+    assert "dekallm" in _field(known)["order"]
 
     # Then it took 10.7 s: its belief passes the patience, and it is refused by name.
     for at in (20.0, 30.0):
@@ -333,8 +341,8 @@ def test_seed_case_3_an_unknown_machine_becomes_a_candidate_and_is_refused_by_na
     assert deka is not None
     assert deka.fate is Fate.PATIENCE
     assert refused.routing is not None
-    assert refused.routing["ignore"] == ["dekallm"]
-    assert "dekallm" not in refused.routing["order"]
+    assert _field(refused)["ignore"] == ["dekallm"]
+    assert "dekallm" not in _field(refused)["order"]
 
 
 def test_an_unknown_machine_with_half_a_belief_is_admitted_last() -> None:
@@ -435,7 +443,7 @@ def test_the_operational_score_orders_the_admitted_and_never_refuses() -> None:
     # Quality first: steady (1.0) leads fast (0.5), which is still admitted and sent.
     assert choice.admitted == ("steady", "fast")
     assert choice.routing is not None
-    assert choice.routing["order"] == ["steady", "fast"]
+    assert _field(choice)["order"] == ["steady", "fast"]
     fast = choice.fate("fast")
     assert fast is not None
     assert "behind the best" in fast.detail
@@ -449,7 +457,7 @@ def test_a_good_score_never_reopens_a_hard_exclusion() -> None:
     choice = chooser.choose(role(), candidate(config, AGG, CODER), breaker.exclusion, 1.0)
     assert choice.admitted == ("steady",)
     assert choice.routing is not None
-    assert "fast" in choice.routing["ignore"]
+    assert "fast" in _field(choice)["ignore"]
 
 
 def test_a_pinned_machine_out_of_the_top_quality_tier_loses_the_pin() -> None:
@@ -480,7 +488,7 @@ def test_a_poor_semantic_judgment_demotes_inside_the_tier_and_unknown_moves_noth
     assert after.admitted == ("steady", "fast")
     # Demoted, never refused: `fast` is still in the order the aggregator gets.
     assert after.routing is not None
-    assert after.routing["order"] == ["steady", "fast"]
+    assert _field(after)["order"] == ["steady", "fast"]
 
 
 def test_providers_of_the_same_model_are_ranked_by_quality_within_the_roles_order() -> None:
@@ -537,7 +545,7 @@ def test_refusal_iff_the_expectation_exceeds_the_patience(
         fate = choice.fate(name)
         assert fate is not None
         assert (fate.fate is Fate.PATIENCE) == (expected > patience)  # type: ignore[operator]
-    routing: dict[str, Any] | None = choice.routing
+    routing: dict[str, Any] | None = None if choice.routing is None else _field(choice)
     if not choice.admitted:
         assert routing is None
     elif only:

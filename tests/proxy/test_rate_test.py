@@ -19,12 +19,12 @@ from rolegate_policy.enums import (
     Ruling,
     Visibility,
 )
+from rolegate_proxy.core.arm_end import ArmEnd, Cause, sighting
 from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
 from rolegate_proxy.core.chooser import Alternative
 from rolegate_proxy.core.watch import (
     Act,
     ActReason,
-    ArmEnd,
     Clock,
     Watch,
     WatchSettings,
@@ -474,7 +474,7 @@ def test_identify_names_the_machine_when_the_aggregator_does() -> None:
     groq = book.belief(AGG, MODEL, "groq", 0.0)
     assert groq is not None
     w = Watch(role(), sent_at=0.0, frontier=[Alternative(key("groq"), groq, True)])
-    assert w.sighting(5.0, ArmEnd.FINISHED) is None
+    assert sighting(_end(w, 5.0, Cause.ANSWERED), None) is None  # no machine named yet
     w.observe(1.0, 1)
     w.identify(key("deepinfra"), book.belief(AGG, MODEL, "deepinfra", 1.0))
     act, _, _ = play_more(w, 1.0, [1 / 6.0] * 12)
@@ -532,12 +532,12 @@ def test_seed_case_2_a_late_first_token_then_a_cut_teaches_the_serving_arm() -> 
     w.observe(40.0, 1)
     w.observe(40.1, 1)
     w.observe(40.2, 1)
-    sighting = w.sighting(41.0, ArmEnd.ERRORED)
-    assert sighting is not None
-    assert sighting.ttft == pytest.approx(40.0)
-    assert sighting.cut
-    assert sighting.gaps.count == 2
-    after = book.note(sighting)
+    taught = sighting(_end(w, 41.0, Cause.CUT), before)
+    assert taught is not None
+    assert taught.ttft == pytest.approx(40.0)
+    assert taught.cut
+    assert taught.gaps.count == 2
+    after = book.note(taught)
     assert before is not None
     assert after is not None
     assert after.expected_ttft > 5 * before.expected_ttft  # type: ignore[operator]
@@ -548,10 +548,10 @@ def test_seed_case_2_the_losing_arm_of_a_race_teaches_too() -> None:
     slow_arm = watch(book, "deepinfra", ["groq"])
     fast_arm = watch(book, "groq", ["deepinfra"], now=4.0)
     fast_arm.observe(4.5, 1)  # the race's winner produced content first
-    for arm, end in ((slow_arm, ArmEnd.CUT), (fast_arm, ArmEnd.FINISHED)):
-        sighting = arm.sighting(9.0, end)
-        assert sighting is not None
-        book.note(sighting)
+    for arm, cause in ((slow_arm, Cause.RACE_LOST), (fast_arm, Cause.ANSWERED)):
+        taught = sighting(_end(arm, 9.0, cause), None)
+        assert taught is not None
+        book.note(taught)
     loser = book.belief(AGG, MODEL, "deepinfra", 9.0)
     assert loser is not None
     assert loser.expected_ttft > 1.5  # type: ignore[operator]  # waited 9 s: TTFT >= 9
@@ -560,11 +560,11 @@ def test_seed_case_2_the_losing_arm_of_a_race_teaches_too() -> None:
 def test_seed_case_2_an_arm_the_client_abandoned_teaches_its_wait() -> None:
     book = ledger(*SEED)
     w = watch(book, "deepinfra", [])
-    sighting = w.sighting(25.0, ArmEnd.ABANDONED)
-    assert sighting is not None
-    assert sighting.waited == 25.0
-    assert sighting.ttft is None
-    book.note(sighting)
+    taught = sighting(_end(w, 25.0, Cause.CLIENT_LEFT), None)
+    assert taught is not None
+    assert taught.waited == 25.0
+    assert taught.ttft is None
+    book.note(taught)
     belief = book.belief(AGG, MODEL, "deepinfra", 25.0)
     assert belief is not None
     assert belief.expected_ttft > 2.0  # type: ignore[operator]
@@ -573,4 +573,13 @@ def test_seed_case_2_an_arm_the_client_abandoned_teaches_its_wait() -> None:
 def test_an_arm_that_errored_before_its_first_token_says_nothing_about_ttft() -> None:
     book = ledger(*SEED)
     w = watch(book, "deepinfra", [])
-    assert w.sighting(0.2, ArmEnd.ERRORED) is None
+    assert sighting(_end(w, 0.2, Cause.HTTP_ERROR), None) is None
+
+
+def _end(w: Watch, at: float, cause: Cause) -> ArmEnd:
+    """The arm a watch measured, ended at `at` for `cause`."""
+    machine = None if w.serving is None else w.serving.machine
+    return ArmEnd(
+        AGG, MODEL, machine, cause, started_at=w.sent_at, ended_at=at, streamed=True,
+        first_at=w.first_at, gaps=w.gaps,
+    )  # fmt: skip

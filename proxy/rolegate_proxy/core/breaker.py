@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import islice
@@ -153,12 +153,16 @@ class Attempted:
 @dataclass(frozen=True, slots=True)
 class Admission:
     """The answer to "may this attempt be sent now?". `probes` names the half-open keys
-    this attempt is the single re-probe of (empty for an ordinary attempt)."""
+    this attempt is the single re-probe of (empty for an ordinary attempt); `refused` the
+    machines of its routing that may not be asked for after all (another request holds
+    their re-probe); `transitions` the half-openings this decision was the first to see."""
 
     allowed: bool
     exclusion: Exclusion | None
     probes: tuple[BreakerKey, ...]
     at: float
+    refused: tuple[str, ...] = ()
+    transitions: tuple[Transition, ...] = ()
 
     @property
     def is_probe(self) -> bool:
@@ -378,6 +382,9 @@ class Breakers:
                 continue  # closed, or open and this is a straggler: no state change
             if outcome.started_at is not None and outcome.started_at < entry.opened_at:
                 continue  # sent before the trip: says nothing about the re-probe
+            half_opened = self._half_opened(entry)
+            if half_opened is not None:
+                transitions.append(half_opened)
             fault = faults.get(key)
             if fault is not None:
                 detail = f"the re-probe failed: {fault.signature}"
@@ -638,11 +645,72 @@ class Breakers:
         refused, half_open = self._check(provider, model, machine, now)
         if refused:
             return Admission(False, _longest(refused), (), now)
+        return Admission(
+            True, None, self._take_probes(half_open, now, probe_lease), now,
+            transitions=self._half_openings(half_open),
+        )  # fmt: skip
+
+    def admit_attempt(
+        self, provider: str, model: str, machines: Sequence[str], now: float
+    ) -> Admission:
+        """`admit` for an attempt at (provider, model) that asks an aggregator for
+        `machines` (empty for a direct provider). The provider's and the model's keys decide
+        whether it may be sent at all; then each machine's own key: a machine whose
+        re-probe another request holds, or that is excluded now, is `refused` (to be put
+        in the routing's `ignore`); a half-open machine makes this attempt its probe. So
+        exactly one attempt probes a key, whatever the key's scope."""
+        wide = self.admit(provider, model, None, now)
+        if not wide.allowed or not machines:
+            return wide
+        probes, transitions, refused = list(wide.probes), list(wide.transitions), []
+        for machine in machines:
+            if (provider, model, machine) not in self._covering:
+                continue
+            entry = self._entries.get(BreakerKey(provider, model, machine))
+            if entry is None:
+                continue
+            excluded, half_open = self._check_entry(entry, now)
+            if excluded:
+                refused.append(machine)
+            elif half_open:
+                probes.extend(self._take_probes([entry], now, None))
+                transitions.extend(self._half_openings([entry]))
+        admission = Admission(True, None, tuple(probes), now, tuple(refused), tuple(transitions))
+        if len(refused) == len(machines):
+            self.release(admission)
+            return Admission(False, None, (), now, tuple(refused), tuple(transitions))
+        return admission
+
+    def _take_probes(
+        self, half_open: Sequence[_Entry], now: float, probe_lease: float | None
+    ) -> tuple[BreakerKey, ...]:
         lease = self._lease if probe_lease is None else probe_lease
         for entry in half_open:
             entry.probe_at = now
             entry.probe_until = now + lease
-        return Admission(True, None, tuple(entry.key for entry in half_open), now)
+        return tuple(entry.key for entry in half_open)
+
+    def _half_openings(self, entries: Sequence[_Entry]) -> tuple[Transition, ...]:
+        """The HALF_OPENED transitions of these past-cooldown keys not yet reported (by
+        `poll`, `admit` or `record`, whichever sees it first)."""
+        return tuple(t for entry in entries if (t := self._half_opened(entry)) is not None)
+
+    def _half_opened(self, entry: _Entry) -> Transition | None:
+        if entry.half_open_reported or not entry.open:
+            return None
+        entry.half_open_reported = True
+        assert entry.reason is not None
+        return Transition(
+            TransitionKind.HALF_OPENED,
+            entry.key,
+            Cause.BREAKER,
+            entry.reason,
+            entry.until,
+            None,
+            entry.trips,
+            entry.trigger,
+            "cooldown over: one re-probe allowed",
+        )
 
     def release(self, admission: Admission) -> None:
         """Give back the probe slots of an admitted attempt that ended without an outcome
@@ -679,28 +747,36 @@ class Breakers:
             entry = self._entries.get(key)
             if entry is None:
                 continue
-            for cause, hard in entry.hard.items():
-                if hard.active and hard.until > now:
-                    refused.append(
-                        Exclusion(
-                            key,
-                            cause,
-                            REASON_OF_CAUSE[cause],
-                            BreakerPhase.OPEN,
-                            hard.since,
-                            hard.until,
-                            Trigger.STATUS,
-                            hard.detail,
-                        )
-                    )
-            if not entry.open:
-                continue
+            excluded, is_half_open = self._check_entry(entry, now)
+            refused.extend(excluded)
+            if is_half_open:
+                half_open.append(entry)
+        return refused, half_open
+
+    def _check_entry(self, entry: _Entry, now: float) -> tuple[list[Exclusion], bool]:
+        """Every reason one key refuses now, or whether it is half-open with its probe slot
+        free."""
+        found: list[Exclusion] = [
+            Exclusion(
+                entry.key,
+                cause,
+                REASON_OF_CAUSE[cause],
+                BreakerPhase.OPEN,
+                hard.since,
+                hard.until,
+                Trigger.STATUS,
+                hard.detail,
+            )
+            for cause, hard in entry.hard.items()
+            if hard.active and hard.until > now
+        ]
+        if entry.open:
             assert entry.reason is not None
             assert entry.trigger is not None
             if now < entry.until:
-                refused.append(
+                found.append(
                     Exclusion(
-                        key,
+                        entry.key,
                         Cause.BREAKER,
                         entry.reason,
                         BreakerPhase.OPEN,
@@ -711,9 +787,9 @@ class Breakers:
                     )
                 )
             elif entry.probe_at is not None and now < entry.probe_until:
-                refused.append(
+                found.append(
                     Exclusion(
-                        key,
+                        entry.key,
                         Cause.BREAKER,
                         entry.reason,
                         BreakerPhase.HALF_OPEN,
@@ -723,9 +799,7 @@ class Breakers:
                         "a re-probe is in flight",
                     )
                 )
-            else:
-                half_open.append(entry)
-        return refused, half_open
+        return found, not found and entry.open
 
     # -- time passing and reporting -------------------------------------------------------
 
@@ -738,22 +812,10 @@ class Breakers:
             if entry is None:
                 self._unmark_active(key)
                 continue
-            if entry.open and now >= entry.until and not entry.half_open_reported:
-                entry.half_open_reported = True
-                assert entry.reason is not None
-                transitions.append(
-                    Transition(
-                        TransitionKind.HALF_OPENED,
-                        key,
-                        Cause.BREAKER,
-                        entry.reason,
-                        entry.until,
-                        None,
-                        entry.trips,
-                        entry.trigger,
-                        "cooldown over: one re-probe allowed",
-                    )
-                )
+            if entry.open and now >= entry.until:
+                half_opened = self._half_opened(entry)
+                if half_opened is not None:
+                    transitions.append(half_opened)
             for cause, hard in entry.hard.items():
                 if hard.active and hard.until <= now:
                     transitions.append(self._lift(entry, cause, hard, hard.until))

@@ -42,7 +42,7 @@ import random
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, Final
+from typing import Final
 
 from rolegate_policy.config import (
     CompiledMachine,
@@ -58,7 +58,7 @@ from .exclusions import (
     Exclusion,
 )
 from .ranking import describe_place, rank
-from .routing import Candidate, aggregator_routing
+from .routing import Candidate, MachineRouting, RoutingKind, aggregator_routing
 from .score import Scoreboard
 
 # (provider, model, machine or None for a direct provider, now) -> why it may not be sent
@@ -191,7 +191,7 @@ class Alternative:
 class Choice:
     """One candidate of a request: every machine's fate, and what to send.
 
-    `routing` is the aggregator's `provider` object (None for a direct provider, or when
+    `routing` is what to ask of an aggregator (None for a direct provider, or when
     the candidate is skipped). `skip_reason` says why nothing is sent to this candidate
     (None: send). `ruling` is the ruling the routing follows. `pinned` names the machine
     leading by affinity. `last_resort` marks the relaxed choice of `Plan.last_resort()`."""
@@ -202,7 +202,7 @@ class Choice:
     aggregator: bool
     ruling: Ruling
     fates: tuple[MachineFate, ...]
-    routing: dict[str, Any] | None = field(default=None, compare=False)
+    routing: MachineRouting | None = field(default=None, compare=False)
     skip_reason: str | None = None
     pinned: str | None = None
     last_resort: bool = False
@@ -250,11 +250,13 @@ class Choice:
         if not slow:
             return None
         others = tuple(f for f in self.fates if f.fate is not Fate.PATIENCE)
-        routing: dict[str, Any] | None = None
+        routing: MachineRouting | None = None
         if self.aggregator:
-            routing = {"order": [f.machine for f in slow], "allow_fallbacks": True}
-            if others:
-                routing["ignore"] = [f.machine for f in others]
+            routing = MachineRouting(
+                RoutingKind.ORDER,
+                tuple(f.machine for f in slow),
+                tuple(f.machine for f in others),
+            )
         return Choice(
             self.role,
             self.provider,

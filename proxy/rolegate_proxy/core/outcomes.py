@@ -70,6 +70,9 @@ class ArmResult(StrEnum):
     CANCELLED = "cancelled"
     # The slow arm a rate act moved away from (its continuation is the next arm).
     MOVED = "moved"
+    # A pooled keep-alive connection the upstream had already closed: retried at once on a
+    # fresh one, and charged to nobody.
+    STALE_CONNECTION = "stale_connection"
 
 
 class ArmAct(StrEnum):

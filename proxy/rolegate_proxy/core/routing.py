@@ -1,19 +1,20 @@
-"""The candidates for a request, in order, and the aggregator body that routes among machines.
+"""The candidates for a request, in order, and the typed routing decision among machines.
 
 A role lists its models in order; each model is a candidate on every accepted provider that
 serves it, before the next model is. Which machines of a candidate may be sent to is the
-breaker's decision (dispatch.py); this module turns that into the aggregator's `provider`
-object following the role's effective ruling (SPEC B4): `Order` ranks the admitted
-machines, puts the refused ones in `ignore` (an order is only a ranking the aggregator may
-ignore) and lets it fall back; `Only` makes the admitted set a demand. An empty admitted
-set is never sent as an empty `only`: the candidate is skipped instead.
+chooser's decision; a `MachineRouting` says what to ask of a provider that routes among
+machines (an aggregator), following the role's effective ruling (SPEC B4): `Order` ranks
+the admitted machines, puts the refused ones in `ignore` (an order is only a ranking the
+aggregator may ignore) and lets it fall back; `Only` makes the admitted set a demand. An
+empty admitted set is never a routing: the candidate is skipped instead. How a routing is
+spelled on the wire is the dialect's business (`wire/aggregator.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from enum import StrEnum
 
 from rolegate_policy.config import (
     CompiledModel,
@@ -21,10 +22,47 @@ from rolegate_policy.config import (
     CompiledRole,
     ProxyConfig,
 )
-from rolegate_policy.enums import (
-    Dialect,
-    Ruling,
-)
+from rolegate_policy.enums import Dialect, Ruling
+
+
+def routes_machines(provider: CompiledProvider) -> bool:
+    """Whether the provider routes among machines itself (an aggregator), steered by a
+    routing in the request, rather than being its one machine."""
+    return provider.dialect is Dialect.AGGREGATOR
+
+
+class RoutingKind(StrEnum):
+    # A ranking with fallbacks allowed; refused machines ignored.
+    ORDER = "order"
+    # A demand: these machines and no others.
+    ONLY = "only"
+
+
+@dataclass(frozen=True, slots=True)
+class MachineRouting:
+    """Which machines of an aggregator to ask for, in what order (never empty)."""
+
+    kind: RoutingKind
+    machines: tuple[str, ...]
+    ignore: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.machines:
+            raise ValueError("an empty admitted set must never become a routing")
+
+    @property
+    def allow_fallbacks(self) -> bool:
+        return self.kind is RoutingKind.ORDER
+
+    @property
+    def head(self) -> str:
+        """The machine expected to serve before the answer names one."""
+        return self.machines[0]
+
+    @classmethod
+    def only(cls, machine: str) -> MachineRouting:
+        """Exactly this machine (a race's rival, a continuation)."""
+        return cls(RoutingKind.ONLY, (machine,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +72,7 @@ class Candidate:
 
     @property
     def is_aggregator(self) -> bool:
-        return self.provider.dialect is Dialect.AGGREGATOR
+        return routes_machines(self.provider)
 
     def machine_names(self) -> tuple[str, ...]:
         return tuple(machine.name for machine in self.model.machines)
@@ -42,23 +80,30 @@ class Candidate:
 
 @dataclass(frozen=True, slots=True)
 class Attempt:
-    """One upstream attempt: a candidate and, for an aggregator, its routing object."""
+    """One upstream attempt: a candidate and, for an aggregator, its routing."""
 
     provider: CompiledProvider
     model: CompiledModel
-    # The aggregator's `provider` routing object, or None for a plain OpenAI server.
-    provider_routing: dict[str, Any] | None = None
+    routing: MachineRouting | None = None
 
     @property
     def single_machine(self) -> str | None:
         """The machine that will serve, when only one can (a direct provider)."""
-        if self.provider.dialect is Dialect.OPENAI and self.model.machines:
+        if not routes_machines(self.provider) and self.model.machines:
             return self.model.machines[0].name
         return None
 
     @property
     def is_aggregator(self) -> bool:
-        return self.provider.dialect is Dialect.AGGREGATOR
+        return routes_machines(self.provider)
+
+    @property
+    def presumed_machine(self) -> str | None:
+        """The machine expected to serve before the answer names one: a direct provider's,
+        or the head of an aggregator's routing."""
+        if self.single_machine is not None:
+            return self.single_machine
+        return None if self.routing is None else self.routing.head
 
 
 def plan_candidates(role: CompiledRole, config: ProxyConfig) -> list[Candidate]:
@@ -73,12 +118,7 @@ def plan_candidates(role: CompiledRole, config: ProxyConfig) -> list[Candidate]:
 
 def aggregator_routing(
     role: CompiledRole, admitted: Sequence[str], refused: Sequence[str]
-) -> dict[str, Any]:
-    if not admitted:
-        raise ValueError("an empty admitted set must never become a routing object")
+) -> MachineRouting:
     if role.effective_ruling is Ruling.ONLY:
-        return {"only": list(admitted), "allow_fallbacks": False}
-    routing: dict[str, Any] = {"order": list(admitted), "allow_fallbacks": True}
-    if refused:
-        routing["ignore"] = list(refused)
-    return routing
+        return MachineRouting(RoutingKind.ONLY, tuple(admitted))
+    return MachineRouting(RoutingKind.ORDER, tuple(admitted), tuple(refused))

@@ -9,18 +9,32 @@ then score, then decision, with no log export in between.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Final
 
 from .beliefs import MachineKey
 from .outcomes import ArmResult, Outcome
 from .score import ObservationKind, Scoreboard
 
-OBSERVED: Final = {
-    result: ObservationKind(result.value)
-    for result in ArmResult
-    if result.value in {kind.value for kind in ObservationKind}
-}
+# What each arm result is, as an observation of its machine's operational quality. The
+# results missing here say nothing about it: a request fault (the request's), a degraded
+# verdict (the breaker's business, never the score's, SPEC A5), an auth or quota failure
+# (a hard exclusion's), an arm we or the client cancelled, a move, a stale connection.
+OBSERVED: Final[Mapping[ArmResult, ObservationKind]] = MappingProxyType(
+    {
+        ArmResult.OK: ObservationKind.OK,
+        ArmResult.LATE: ObservationKind.LATE,
+        ArmResult.SERVER_ERROR: ObservationKind.SERVER_ERROR,
+        ArmResult.REFUSED: ObservationKind.REFUSED,
+        ArmResult.TIMEOUT: ObservationKind.TIMEOUT,
+        ArmResult.RATE_LIMITED: ObservationKind.RATE_LIMITED,
+        ArmResult.PARSE_FAILURE: ObservationKind.PARSE_FAILURE,
+        ArmResult.BROKEN_STREAM: ObservationKind.BROKEN_STREAM,
+        ArmResult.LENGTH_CAPPED: ObservationKind.LENGTH_CAPPED,
+        ArmResult.EMPTY_SUCCESS: ObservationKind.EMPTY_SUCCESS,
+    }
+)
 
 
 class ScoreFeed:

@@ -65,7 +65,7 @@ from rolegate_policy.config import (
     CompiledRole,
 )
 
-from .beliefs import MIN_SECONDS, GapStats, MachineBelief, MachineKey, Sighting
+from .beliefs import MIN_SECONDS, GapStats, MachineBelief, MachineKey
 from .chooser import Alternative
 
 
@@ -82,20 +82,6 @@ class Clock(StrEnum):
     RATE = "rate"
     # Producing and keeping up: the ceiling is the request's start plus the role's patience.
     PATIENCE = "patience"
-
-
-class ArmEnd(StrEnum):
-    """How an arm ended, for what it teaches."""
-
-    # Its answer completed.
-    FINISHED = "finished"
-    # We ended it: moved away, lost a race, timed out waiting for a byte.
-    CUT = "cut"
-    # The client went away.
-    ABANDONED = "abandoned"
-    # The upstream failed: an error status, a broken stream. Before a first token this says
-    # nothing about when one would have come.
-    ERRORED = "errored"
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,28 +306,6 @@ class Watch:
                 self.last_at = now
             self.tokens += tokens
         return self._due(now)
-
-    def sighting(self, at: float, end: ArmEnd) -> Sighting | None:
-        """What this arm teaches the ledger (B7), however it ended; None when the machine
-        is unknown or nothing was measured. A wait with no first token is filed as
-        censored only for an arm we cut or the client abandoned."""
-        if self.serving is None:
-            return None
-        ttft = self.ttft
-        waited = None
-        if ttft is None and end in (ArmEnd.CUT, ArmEnd.ABANDONED):
-            waited = max(at - self.sent_at, 0.0)
-        sighting = Sighting(
-            self.serving.provider,
-            self.serving.model,
-            self.serving.machine,
-            at,
-            ttft=ttft,
-            waited=waited,
-            gaps=self._gaps,
-            cut=end is not ArmEnd.FINISHED,
-        )
-        return sighting if sighting.teaches else None
 
     # -- inside -----------------------------------------------------------------------------
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -17,14 +15,11 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 
-from ..core.decisions import Decision
-from ..core.outcomes import Outcome, OutcomeKind
-from ..flow.credentials import KeyStore
-from ..flow.relay import RelayContext
-from ..wire.chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
-from ..wire.errors import ProxyError
+from ..flow.upstream import Upstreams, reuse_tracing
 from . import explain
+from .calls import Call
 from .configmap_source import ConfigMapSource
+from .credentials import KeyStore
 from .settings import ProxySettings
 from .state import STATE, ProxyState
 from .status_reporter import BreakerReporter
@@ -67,12 +62,22 @@ def create_app(
 
 
 async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
-    # One shared client session: connection pooling across every upstream.
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=False)
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=True)
-    app[STATE].session = session
+    """One pooled client session for every upstream, and one that never reuses a
+    connection, for the single retry of a pooled connection the upstream had closed."""
+    state = app[STATE]
+    pooled = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+        auto_decompress=True,
+        trace_configs=[reuse_tracing()],
+    )
+    fresh = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0, force_close=True), auto_decompress=True
+    )
+    state.dispatcher.upstreams = Upstreams(pooled, fresh, state.keys)
     yield
-    await session.close()
+    state.dispatcher.upstreams = None
+    await pooled.close()
+    await fresh.close()
 
 
 async def _key_refresher(app: web.Application) -> AsyncIterator[None]:
@@ -186,102 +191,7 @@ async def _config_watch(app: web.Application) -> AsyncIterator[None]:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = request.app[STATE]
-    config = state.config
-    started = state.dispatcher.now()
-    request_id = _request_id(request)
-    base_headers = {"X-Request-Id": request_id}
-    status = 500
-    kind = OutcomeKind.FAILED
-    error_code: str | None = None
-    decision: Decision | None = None
-    try:
-        raw = await _read_body(request, state.settings.max_body_bytes)
-        body = parse_body(raw)
-        role = choose_role(body, request.headers.get(ROLE_HEADER), config)
-        base_headers["X-Rolegate-Role"] = role.name
-        # From here on the outcome names the role, even if the request is then refused.
-        decision = Decision(
-            request_id=request_id,
-            role=role.name,
-            ruling=role.effective_ruling.value,
-            started_at=started,
-            stream=body.get("stream") is True,
-            patience_seconds=role.patience_seconds,
-        )
-        chat = validate_chat_request(body, role)
-        assert state.session is not None, "the upstream session starts with the app"
-        ctx = RelayContext(
-            session=state.session,
-            keys=state.keys,
-            metrics=state.metrics,
-            request_id=request_id,
-            base_headers=base_headers,
-        )
-        response = await state.dispatcher.handle(request, chat, config, ctx, decision)
-        status, kind = response.status, OutcomeKind.ANSWERED
-        return response
-    except ProxyError as error:
-        status, error_code = error.status, error.code
-        # 429 and 5xx: nobody could answer; any other 4xx: the request itself was refused.
-        kind = OutcomeKind.FAILED if status == 429 or status >= 500 else OutcomeKind.REJECTED
-        return error.response(base_headers)
-    except asyncio.CancelledError:
-        status, kind = 499, OutcomeKind.CANCELLED  # nginx's convention for a client gone
-        raise
-    finally:
-        # Exactly one outcome per request, whatever happened (SPEC C7): O(1), no I/O.
-        now = state.dispatcher.now()
-        if decision is not None:
-            outcome = decision.finish(
-                outcome=kind, status=status, now=now, config_hash=config.hash,
-                error_code=error_code,
-            )  # fmt: skip
-        else:
-            outcome = Outcome(
-                request_id=request_id,
-                role=None,
-                outcome=kind,
-                status=status,
-                stream=False,
-                started_at=time.time() - (now - started),
-                latency_seconds=now - started,
-                config_hash=config.hash,
-                error_code=error_code,
-            )
-        state.outcomes.emit(outcome)
-        log.info(
-            "request id=%s role=%s status=%d outcome=%s ms=%.1f",
-            request_id,
-            outcome.role or "-",
-            status,
-            outcome.outcome.value,
-            outcome.latency_seconds * 1000,
-        )
-
-
-def _request_id(request: web.Request) -> str:
-    """The caller's X-Request-Id when it is a sane token (it is echoed and logged), else a
-    fresh one."""
-    given = request.headers.get("X-Request-Id", "")
-    if 0 < len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given:
-        return given
-    return uuid.uuid4().hex
-
-
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    too_large = ProxyError(
-        413,
-        f"Request body is over the {limit}-byte limit; send a smaller request "
-        "or raise the proxy's --max-body-bytes.",
-        code="body_too_large",
-    )
-    if request.content_length is not None and request.content_length > limit:
-        raise too_large
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise too_large from None
+    return await Call(request.app[STATE], request).serve()
 
 
 async def list_models(request: web.Request) -> web.Response:

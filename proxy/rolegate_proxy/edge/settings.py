@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.outcomes import DEFAULT_CAPACITY
-from ..flow.credentials import DEFAULT_SECRETS_DIR
+from .credentials import DEFAULT_SECRETS_DIR
 
 
 @dataclass(frozen=True)

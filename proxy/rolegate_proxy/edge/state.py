@@ -11,7 +11,6 @@ import logging
 import random
 from dataclasses import dataclass, field
 
-import aiohttp
 from aiohttp import web
 
 from rolegate_policy.config import (
@@ -28,10 +27,10 @@ from ..core.outcomes import Consumer, OutcomeChannel
 from ..core.score import Scoreboard, ScoreSettings
 from ..core.score_feed import ScoreFeed
 from ..core.verdicts import VerdictLog
-from ..flow.credentials import KeyStore
 from ..flow.dispatch import Dispatcher
 from ..flow.metrics import ProxyMetrics
 from .configmap_source import ConfigMapSource
+from .credentials import KeyStore
 from .feedback import ServedIndex
 from .outcome_export import OutcomeExporter
 from .settings import ProxySettings
@@ -47,7 +46,6 @@ class ProxyState:
     config: ProxyConfig
     keys: KeyStore
     metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
-    session: aiohttp.ClientSession | None = None
     source: ConfigMapSource | None = None
     decisions: DecisionLog = field(default_factory=DecisionLog)
     served: ServedIndex = field(default_factory=ServedIndex)

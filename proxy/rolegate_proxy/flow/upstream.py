@@ -1,215 +1,196 @@
-"""Talking to one upstream provider: the request body we send and the failures we classify."""
+"""Sending one arm to its upstream, and reading why it failed when it did.
+
+`send` posts the attempt and returns the upstream's response once its status line and
+headers are in. A pooled keep-alive connection the upstream had already closed fails
+before any header arrives; that is nobody's fault (`StaleConnection`): the caller records
+it and sends again on a fresh connection, once. Redirects are never followed (they would
+carry the prompt to another host). Every failure is an `ArmFailed` with its cause (see
+core/arm_end.py) and, for an error answer, the error as `wire.openai` reads it.
+"""
 
 from __future__ import annotations
 
-import json
+import errno
 from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any
+from typing import Protocol
 
 import aiohttp
-import orjson
 
-from ..core.breaker import TransportFault
-from ..core.exclusions import (
-    is_request_fault,
-)
+from rolegate_policy.config import SecretRef
+
+from ..core.arm_end import Cause
 from ..core.routing import Attempt
-from ..core.verdicts import Verdict
-from .credentials import KeyStore
+from ..wire import openai
+from ..wire.chat_request import ChatRequest
+from ..wire.openai import UpstreamError
+
+# What a failed read or write of an upstream's answer raises.
+TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
+# A pooled connection the peer had closed: the request met a reset or a close before any
+# byte of an answer.
+_STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE})
 
 
-class RequestFault(StrEnum):
-    """A 4xx about the request itself: never resent unchanged to the same model (SPEC E4)."""
+class KeySource(Protocol):
+    """Where providers' API keys come from (edge/credentials.py); never blocks."""
 
-    # Too long for this model: a later model of the role may have a larger context.
-    CONTEXT_LENGTH = "context_length"
-    # Refused by a content filter: about the request, goes back to the client as it is.
-    CONTENT_FILTER = "content_filter"
-    # Anything else the upstream says is wrong with the request.
-    INVALID = "invalid"
+    def key_for(self, ref: SecretRef) -> str | None: ...
+
+    def where(self, ref: SecretRef) -> str: ...
 
 
-@dataclass
-class UpstreamFailure(Exception):
-    """One attempt that produced nothing usable; `detail` names the upstream, never content."""
+class _Reuse:
+    """Set when the request went out on a pooled connection (see `reuse_tracing`)."""
 
-    attempt: Attempt
-    detail: str
-    status: int | None = None
-    retry_after: str | None = None
-    body: bytes | None = None
-    # The aggregator's machine the failure came from, when the response named it.
-    machine: str | None = None
-    transport: TransportFault | None = None
-    # A structural verdict that made a 200 answer unusable (empty, mangled).
-    verdict: Verdict | None = None
-    # The 200 answer could not be parsed (not UTF-8 JSON).
-    unparsable: bool = False
+    __slots__ = ("reused",)
 
-    @property
-    def request_fault(self) -> RequestFault | None:
-        if self.status is None or not is_request_fault(self.status):
-            return None
-        if self.status == 404 and _says(self.body or b"", _UNROUTABLE_MARKERS):
-            # An aggregator with no machine left for this model under the routing it was
-            # sent (OpenRouter's "No endpoints found ..."): about the candidate, not the
-            # request, so the next model may still answer.
-            return None
-        return classify_request_fault(self.body or b"")
+    def __init__(self) -> None:
+        self.reused = False
 
-    def describe(self) -> str:
-        provider = self.attempt.provider
-        where = f" via {self.machine}" if self.machine else ""
-        return (
-            f"{provider.name} ({provider.endpoint}) for {self.attempt.model.name}{where}: "
-            f"{self.detail}"
+
+async def _mark_reused(session: aiohttp.ClientSession, context: object, params: object) -> None:
+    reuse = getattr(context, "trace_request_ctx", None)
+    if isinstance(reuse, _Reuse):
+        reuse.reused = True
+
+
+def reuse_tracing() -> aiohttp.TraceConfig:
+    """The pooled session's tracing: it tells `send` which requests reused a connection,
+    so that only a reused one is ever taken for stale (a fresh connection reset before an
+    answer is the upstream refusing)."""
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(_mark_reused)
+    return trace
+
+
+@dataclass(frozen=True, slots=True)
+class Upstreams:
+    """What every arm is sent with: one pooled session, one that never reuses a connection
+    (for the retry of a stale one), the keys, and the request's id."""
+
+    pooled: aiohttp.ClientSession
+    fresh: aiohttp.ClientSession
+    keys: KeySource
+
+
+class ArmFailed(Exception):
+    """An arm that produced no usable answer, and why (in our words, never the upstream's)."""
+
+    def __init__(
+        self,
+        cause: Cause,
+        detail: str,
+        *,
+        error: UpstreamError | None = None,
+        retry_after: str | None = None,
+    ) -> None:
+        super().__init__(detail)
+        self.cause = cause
+        self.detail = detail
+        self.error = error
+        self.retry_after = retry_after
+
+
+class StaleConnection(ArmFailed):
+    def __init__(self) -> None:
+        super().__init__(
+            Cause.STALE_CONNECTION,
+            "a pooled connection the upstream had closed; sent again on a fresh one",
         )
 
 
-def upstream_body(body: dict[str, Any], attempt: Attempt) -> bytes:
-    """The client's body with the role replaced by the concrete model, as UTF-8 JSON."""
-    out = dict(body)
-    out["model"] = attempt.model.name
-    if attempt.provider_routing is not None:
-        # Routing across the aggregator's machines is rolegate's decision, not the caller's.
-        out["provider"] = attempt.provider_routing
-    else:
-        out.pop("provider", None)
-    # orjson writes non-ASCII as UTF-8, never as \u escapes: the prompt goes out as it came.
-    return orjson.dumps(out)
+@dataclass(frozen=True, slots=True)
+class Silence:
+    """How long an arm may stay silent, and which limit that is: the provider's own idle
+    limit (a silence past it is the upstream's fault, a stall) or the share of the
+    request's patience this arm may use (a silence past that is our deadline)."""
+
+    seconds: float
+    is_idle_limit: bool
+
+    @classmethod
+    def for_arm(cls, attempt: Attempt, budget: float, *, stream: bool) -> Silence:
+        idle = attempt.provider.timeouts.idle_seconds
+        if stream and idle <= budget:
+            return cls(idle, True)
+        return cls(max(budget, 0.05), False)
+
+    @property
+    def cause(self) -> Cause:
+        return Cause.STALL if self.is_idle_limit else Cause.DEADLINE
 
 
-def upstream_headers(attempt: Attempt, keys: KeyStore, stream: bool) -> dict[str, str]:
-    headers = {
-        "Content-Type": "application/json",
-        "Accept": "text/event-stream" if stream else "application/json",
-    }
+async def send(
+    upstreams: Upstreams, attempt: Attempt, chat: ChatRequest, silence: Silence, *, fresh: bool
+) -> aiohttp.ClientResponse:
+    """POST the attempt; the response once its headers are in (the caller reads the body).
+    Raises ArmFailed (StaleConnection for a dead pooled connection)."""
     ref = attempt.provider.api_key_secret_ref
-    if ref is not None:
-        found = keys.lookup(ref)
-        if found.value is None:
-            raise UpstreamFailure(
-                attempt,
-                f"no API key for Secret {ref.name}/{ref.key}: set the {found.searched}",
-                transport=TransportFault.CONNECTION_FAILED,
-            )
-        headers["Authorization"] = f"Bearer {found.value}"
-    return headers
-
-
-def chat_url(attempt: Attempt) -> str:
-    return attempt.provider.endpoint.rstrip("/") + "/chat/completions"
-
-
-def timeouts(attempt: Attempt, *, stream: bool, budget: float) -> aiohttp.ClientTimeout:
-    """`budget` is how long this attempt may stay silent (dispatch derives it from the role's
-    patience). A stream's silence between two reads is also bounded by the provider's idle
-    limit (E4); a non-streamed answer is one silence until it is complete."""
-    settings = attempt.provider.timeouts
-    idle = min(settings.idle_seconds, budget) if stream else budget
-    return aiohttp.ClientTimeout(
-        total=None, connect=None, sock_connect=settings.connect_seconds, sock_read=max(idle, 0.05)
-    )
-
-
-def transport_failure(
-    attempt: Attempt, exc: BaseException, *, during_stream: bool
-) -> UpstreamFailure:
-    if isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)):
-        kind = TransportFault.TIMEOUT
-    elif isinstance(exc, aiohttp.ClientConnectorError):
-        kind = TransportFault.CONNECTION_FAILED
-    else:
-        kind = TransportFault.BROKEN_STREAM if during_stream else TransportFault.CONNECTION_FAILED
-    return UpstreamFailure(attempt, describe_client_error(exc), transport=kind)
-
-
-def describe_client_error(exc: BaseException) -> str:
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return f"cannot connect ({exc.os_error.strerror or exc.os_error})"
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
-        return "the connection was closed before a complete answer"
-    if isinstance(exc, (TimeoutError, aiohttp.ServerTimeoutError)):
-        return "timed out waiting for the upstream"
-    if isinstance(exc, aiohttp.ClientPayloadError):
-        return "the answer was cut off mid-body"
-    if isinstance(exc, aiohttp.ClientError):
-        return f"{type(exc).__name__}: {exc}"
-    return type(exc).__name__
-
-
-def failure_from_status(
-    attempt: Attempt, status: int, body: bytes, headers: Any
-) -> UpstreamFailure:
-    payload = _json_object(body)
-    message = _error_message(payload)
-    return UpstreamFailure(
-        attempt,
-        f"HTTP {status}" + (f": {message}" if message else ""),
-        status=status,
-        retry_after=headers.get("Retry-After"),
-        body=body,
-        machine=machine_named_in(payload) if attempt.is_aggregator else None,
-    )
-
-
-def machine_named_in(payload: dict[str, Any] | None) -> str | None:
-    """The sub-provider an aggregator's response names: `provider` at the top level, or
-    OpenRouter's `error.metadata.provider_name`."""
-    if payload is None:
-        return None
-    named = payload.get("provider")
-    if isinstance(named, str) and named:
-        return named
-    error = payload.get("error")
-    metadata = error.get("metadata") if isinstance(error, dict) else None
-    if isinstance(metadata, dict) and isinstance(metadata.get("provider_name"), str):
-        return str(metadata["provider_name"])
-    return None
-
-
-_CONTEXT_MARKERS = ("context_length", "context length", "maximum context", "too many tokens")
-_FILTER_MARKERS = ("content_filter", "content filter", "content_policy", "moderation", "flagged")
-
-
-def classify_request_fault(body: bytes) -> RequestFault:
-    payload = _json_object(body)
-    error = payload.get("error") if payload else None
-    text = ""
-    if isinstance(error, dict):
-        text = f"{error.get('code') or ''} {error.get('type') or ''} {error.get('message') or ''}"
-    text = text.lower()
-    if any(marker in text for marker in _CONTEXT_MARKERS):
-        return RequestFault.CONTEXT_LENGTH
-    if any(marker in text for marker in _FILTER_MARKERS):
-        return RequestFault.CONTENT_FILTER
-    return RequestFault.INVALID
-
-
-_UNROUTABLE_MARKERS = ("no endpoints found",)
-
-
-def _says(body: bytes, markers: tuple[str, ...]) -> bool:
-    payload = _json_object(body)
-    error = payload.get("error") if payload else None
-    message = error.get("message") if isinstance(error, dict) else None
-    return isinstance(message, str) and any(m in message.lower() for m in markers)
-
-
-def _json_object(body: bytes) -> dict[str, Any] | None:
+    key = None if ref is None else upstreams.keys.key_for(ref)
+    if ref is not None and key is None:
+        raise ArmFailed(
+            Cause.NO_CREDENTIALS,
+            f"no API key for Secret {ref.name}/{ref.key}: set the {upstreams.keys.where(ref)}",
+        )
+    session = upstreams.fresh if fresh else upstreams.pooled
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=None, sock_connect=attempt.provider.timeouts.connect_seconds,
+        sock_read=silence.seconds,
+    )  # fmt: skip
+    reuse = _Reuse()
     try:
-        payload = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return payload if isinstance(payload, dict) else None
+        return await session.post(
+            openai.chat_url(attempt.provider.endpoint),
+            data=openai.request_body(chat.encoded, attempt.model.name, attempt.routing),
+            headers=openai.request_headers(key, stream=chat.stream),
+            timeout=timeout,
+            allow_redirects=False,
+            trace_request_ctx=reuse,
+        )
+    except TRANSPORT_ERRORS as error:
+        if reuse.reused and _stale(error):
+            raise StaleConnection() from None
+        raise failed_in_transport(error, silence, headers_in=False, content_in=False) from None
 
 
-def _error_message(payload: dict[str, Any] | None) -> str:
-    if payload is None:
-        return ""
-    error = payload.get("error")
-    if isinstance(error, dict) and isinstance(error.get("message"), str):
-        message: str = error["message"]
-        return message[:300]
-    return ""
+def _stale(error: BaseException) -> bool:
+    if isinstance(error, aiohttp.ServerDisconnectedError):
+        return True
+    return (
+        isinstance(error, aiohttp.ClientOSError)
+        and not isinstance(error, aiohttp.ClientConnectorError)
+        and error.errno in _STALE_ERRNOS
+    )
+
+
+def failed_in_transport(
+    error: BaseException, silence: Silence, *, headers_in: bool, content_in: bool
+) -> ArmFailed:
+    """What a transport error means for the arm. A silence: past its limit before any
+    content (see `Silence`), or a producing stream gone quiet (always a stall). Otherwise a
+    connection that could not be made or was dropped before the headers, or an answer cut
+    short."""
+    if isinstance(error, (TimeoutError, aiohttp.ServerTimeoutError)):
+        if content_in:
+            return ArmFailed(Cause.STALL, f"went silent mid-answer for {silence.seconds:g} s")
+        limit = "its idle limit" if silence.is_idle_limit else "this arm's share of the patience"
+        return ArmFailed(silence.cause, f"silent for {silence.seconds:g} s ({limit})")
+    if isinstance(error, aiohttp.ClientConnectorError):
+        return ArmFailed(Cause.REFUSED, f"cannot connect ({error.os_error.strerror or 'refused'})")
+    if not headers_in:
+        return ArmFailed(Cause.REFUSED, "the connection was dropped before an answer")
+    return ArmFailed(Cause.CUT, "the answer was cut off before its end")
+
+
+async def failed_with_status(response: aiohttp.ClientResponse, *, named: bool) -> ArmFailed:
+    """An error status: its body is read (bounded) to classify it, then dropped."""
+    try:
+        body = await response.content.read(64 * 1024)
+    except TRANSPORT_ERRORS:
+        body = b""
+    error = openai.parse_error(response.status, body, named=named)
+    cause = Cause.REJECTED if error.request_fault is not None else Cause.HTTP_ERROR
+    return ArmFailed(
+        cause, f"answered {error.describe()}", error=error,
+        retry_after=response.headers.get("Retry-After"),
+    )  # fmt: skip

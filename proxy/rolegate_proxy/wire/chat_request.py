@@ -18,6 +18,38 @@ from .errors import ProxyError, bad_request
 ROLE_HEADER = "X-Rolegate-Role"
 
 
+# orjson writes at most this many levels of nesting; a body it could not write upstream is
+# refused here, before anything is sent anywhere.
+MAX_NESTING = 254
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedBody:
+    """The client's body without `model` and `provider` (rolegate sets both per attempt),
+    encoded once per request as UTF-8 JSON: non-ASCII goes out as it came, never as
+    `\\u` escapes."""
+
+    rest: bytes
+
+    def with_head(self, head: bytes) -> bytes:
+        """`head` (a JSON object) followed by the rest of the body, as one JSON object."""
+        if self.rest == b"{}":
+            return head
+        return head[:-1] + b"," + self.rest[1:]
+
+
+def encode_body(body: dict[str, Any]) -> EncodedBody:
+    rest = {key: value for key, value in body.items() if key not in ("model", "provider")}
+    try:
+        return EncodedBody(orjson.dumps(rest))
+    except orjson.JSONEncodeError:
+        raise bad_request(
+            f"The request body is nested more than {MAX_NESTING} levels deep; "
+            "flatten it (no chat request needs that many).",
+            code="invalid_body",
+        ) from None
+
+
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
     role: CompiledRole
@@ -29,6 +61,17 @@ class ChatRequest:
     prompt: PromptProfile
     # Estimated input tokens (for the expected cost of each machine).
     prompt_tokens: int = 0
+    # The body as sent upstream, but for the model and the routing.
+    encoded: EncodedBody = EncodedBody(b"{}")
+
+    def continued(self, delivered: str) -> ChatRequest:
+        """This request with the text already delivered as a partial assistant message, for
+        a machine that continues it (SPEC B6)."""
+        messages = [*self.body.get("messages", []), {"role": "assistant", "content": delivered}]
+        body = {**self.body, "messages": messages}
+        return ChatRequest(
+            self.role, body, self.stream, self.prompt, self.prompt_tokens, encode_body(body)
+        )
 
     @property
     def prompt_is_ascii(self) -> bool:
@@ -135,6 +178,7 @@ def validate_chat_request(body: dict[str, Any], role: CompiledRole) -> ChatReque
         stream=stream,
         prompt=profile_prompt(messages, body.get("tools")),
         prompt_tokens=estimate_prompt_tokens(messages),
+        encoded=encode_body(body),
     )
 
 

@@ -22,7 +22,8 @@ DONE = b"[DONE]"
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One complete event: its `data` payload (lines joined by LF) and its raw bytes."""
+    """One complete event: its `data` payload (lines joined by LF) and the bytes that are
+    forwarded for it (the event's own lines)."""
 
     data: bytes
     raw: bytes
@@ -88,8 +89,9 @@ def _parse_block(block: bytes) -> Event | None:
             data_lines.append(value)
         # `event:`, `id:` and `retry:` carry nothing the chat-completions protocol uses.
     if data_lines:
-        data = b"\n".join(data_lines)
-        return Event(data=data, raw=b"data: " + data + b"\n\n")
+        # Forwarded as it came (line endings normalised): an event whose data spans several
+        # `data:` lines keeps each line's field name, which re-framing it would lose.
+        return Event(data=b"\n".join(data_lines), raw=block + b"\n\n")
     if comment:
         return Event(data=b"", raw=block + b"\n\n", is_comment=True)
     return None

@@ -54,6 +54,14 @@ class KeyStore:
                 keys[ref] = self._lookup(ref)
         self._keys = keys
 
+    def key_for(self, ref: SecretRef) -> str | None:
+        """The key, from what the last refresh read (the request path's call)."""
+        return self.lookup(ref).value
+
+    def where(self, ref: SecretRef) -> str:
+        """Where the key is looked for, for an error that says what to set."""
+        return self.lookup(ref).searched
+
     def lookup(self, ref: SecretRef) -> KeyLookup:
         found = self._keys.get(ref)
         if found is None:

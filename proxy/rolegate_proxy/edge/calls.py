@@ -1,0 +1,142 @@
+"""`POST /v1/chat/completions` at the edge: read and check the request, hand it to the
+dispatcher, and emit its one outcome whatever happened (SPEC C7).
+
+The status the outcome records is what the client got: the answer's, rolegate's error's,
+or 499 (nginx's convention) when the client went away before its answer was complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from ..core.decisions import Decision
+from ..core.outcomes import Outcome, OutcomeKind
+from ..wire.chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
+from ..wire.errors import ProxyError
+from .state import ProxyState
+
+log = logging.getLogger("rolegate.proxy")
+
+CLIENT_GONE = 499
+
+
+class Call:
+    """One client request at the edge."""
+
+    def __init__(self, state: ProxyState, request: web.Request) -> None:
+        self.state = state
+        self.request = request
+        self.config = state.config
+        self.started = state.dispatcher.now()
+        self.request_id = request_id(request)
+        self.headers = {"X-Request-Id": self.request_id}
+        self.decision: Decision | None = None
+        self.status = 500
+        self.kind = OutcomeKind.FAILED
+        self.error_code: str | None = None
+
+    async def serve(self) -> web.StreamResponse:
+        try:
+            return await self._serve()
+        except ProxyError as error:
+            self.status, self.error_code = error.status, error.code
+            # 429 and 5xx: nobody could answer; any other 4xx: the request was refused.
+            self.kind = (
+                OutcomeKind.FAILED if error.status == 429 or error.status >= 500
+                else OutcomeKind.REJECTED
+            )  # fmt: skip
+            return error.response(self.headers)
+        except asyncio.CancelledError:
+            self.status, self.kind = CLIENT_GONE, OutcomeKind.CANCELLED
+            raise
+        finally:
+            self.emit()
+
+    async def _serve(self) -> web.StreamResponse:
+        state = self.state
+        body = parse_body(await read_body(self.request, state.settings.max_body_bytes))
+        role = choose_role(body, self.request.headers.get(ROLE_HEADER), self.config)
+        self.headers["X-Rolegate-Role"] = role.name
+        # From here on the outcome names the role, even if the request is then refused.
+        self.decision = Decision(
+            request_id=self.request_id,
+            role=role.name,
+            ruling=role.effective_ruling.value,
+            started_at=self.started,
+            stream=body.get("stream") is True,
+            patience_seconds=role.patience_seconds,
+        )
+        chat = validate_chat_request(body, role)
+        response = await state.dispatcher.handle(
+            self.request, chat, self.config, self.decision, self.headers
+        )
+        self.status, self.kind = response.status, OutcomeKind.ANSWERED
+        if self.decision.outcome is OutcomeKind.CANCELLED:
+            self.status = CLIENT_GONE
+        return response
+
+    def emit(self) -> None:
+        """Exactly one outcome per request (SPEC C7): O(1), no I/O."""
+        now = self.state.dispatcher.now()
+        if self.decision is not None:
+            outcome = self.decision.finish(
+                outcome=self.kind, status=self.status, now=now, config_hash=self.config.hash,
+                error_code=self.error_code,
+            )  # fmt: skip
+        else:
+            outcome = Outcome(
+                request_id=self.request_id,
+                role=None,
+                outcome=self.kind,
+                status=self.status,
+                stream=False,
+                started_at=time.time() - (now - self.started),
+                latency_seconds=now - self.started,
+                config_hash=self.config.hash,
+                error_code=self.error_code,
+            )
+        self.state.outcomes.emit(outcome)
+        log.info(
+            "request id=%s role=%s status=%d outcome=%s ms=%.1f",
+            self.request_id, outcome.role or "-", self.status, outcome.outcome.value,
+            outcome.latency_seconds * 1000,
+        )  # fmt: skip
+
+
+def request_id(request: web.Request) -> str:
+    """The caller's X-Request-Id when it is a sane token (it is echoed and logged), else a
+    fresh one."""
+    given = request.headers.get("X-Request-Id", "")
+    if 0 < len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given:
+        return given
+    return uuid.uuid4().hex
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    too_large = ProxyError(
+        413,
+        f"Request body is over the {limit}-byte limit; send a smaller request "
+        "or raise the proxy's --max-body-bytes.",
+        code="body_too_large",
+    )
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    except (web.RequestPayloadError, ValueError):
+        # A body its Content-Encoding cannot decode, or one cut short. The rest of it is
+        # unreadable: the connection closes after the answer instead of draining it.
+        request.protocol.force_close()
+        raise ProxyError(
+            400,
+            "The request body could not be read: it does not decode as its Content-Encoding "
+            "header says (send it uncompressed, or gzip, deflate or br as declared).",
+            code="invalid_encoding",
+        ) from None

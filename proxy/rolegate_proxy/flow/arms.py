@@ -1,0 +1,197 @@
+"""One arm in flight (`ArmRun`), and the two ways of sending one: a non-streamed answer
+read whole (`complete`), and a stream opened up to its first content (`open_stream`).
+
+An arm knows what it was sent with and what it has shown so far; `ArmRun.end` turns that
+into its one `ArmEnd`. Neither function records anything: the exchange hands every end to
+the recorder.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from ..core.arm_end import Answered, ArmEnd, Cause
+from ..core.beliefs import GapStats
+from ..core.exclusions import parse_retry_after
+from ..core.outcomes import ArmAct
+from ..core.routing import Attempt
+from ..core.verdicts import Verdict, judge
+from ..core.watch import Watch
+from ..wire import openai
+from ..wire.chat_request import ChatRequest
+from ..wire.openai import Completion, NotTheProtocol, UpstreamError
+from .stream import OpenedStream, hold_until_content, reads
+from .upstream import (
+    TRANSPORT_ERRORS,
+    ArmFailed,
+    Silence,
+    Upstreams,
+    failed_in_transport,
+    failed_with_status,
+    send,
+)
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True)
+class ArmRun:
+    """One upstream attempt while it runs."""
+
+    attempt: Attempt
+    started: float
+    streamed: bool
+    # How long it may stay silent, and which limit that is.
+    silence: Silence
+    act: ArmAct | None = None
+    # The machine the answer named (an aggregator's sub-provider), once it did.
+    named: str | None = None
+    # A streamed arm's watch: its first token, its gaps, its rate test.
+    watch: Watch | None = None
+
+    @property
+    def machine(self) -> str | None:
+        return self.named or self.attempt.presumed_machine
+
+    def end(
+        self,
+        cause: Cause,
+        at: float,
+        detail: str,
+        *,
+        error: UpstreamError | None = None,
+        verdict: Verdict | None = None,
+        answer: Answered | None = None,
+    ) -> ArmEnd:
+        watch = self.watch
+        return ArmEnd(
+            provider=self.attempt.provider.name,
+            model=self.attempt.model.name,
+            machine=self.machine,
+            cause=cause,
+            started_at=self.started,
+            ended_at=at,
+            streamed=self.streamed,
+            direct=not self.attempt.is_aggregator,
+            named=self.named is not None,
+            first_at=None if watch is None else watch.first_at,
+            gaps=GapStats() if watch is None else watch.gaps,
+            status=None if error is None else error.status,
+            error_code=None if error is None else error.code,
+            request_fault=None if error is None else error.request_fault,
+            verdict=verdict,
+            answer=answer,
+            act=self.act,
+            detail=detail,
+        )
+
+    def failed(self, failure: ArmFailed, at: float) -> ArmEnd:
+        if failure.error is not None and failure.error.machine is not None:
+            self.named = self.named or failure.error.machine
+        end = self.end(failure.cause, at, failure.detail, error=failure.error)
+        end.retry_after = parse_retry_after(failure.retry_after, wall_now=time.time())
+        return end
+
+
+async def post(
+    upstreams: Upstreams, run: ArmRun, chat: ChatRequest, *, fresh: bool
+) -> aiohttp.ClientResponse:
+    """Send the arm; an error status is read, classified and raised as ArmFailed."""
+    response = await send(upstreams, run.attempt, chat, run.silence, fresh=fresh)
+    if response.status != 200:
+        try:
+            raise await failed_with_status(response, named=run.attempt.is_aggregator)
+        finally:
+            response.release()
+    return response
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A non-streamed answer ready for the client: the provider's own bytes."""
+
+    body: bytes
+    completion: Completion
+
+
+async def complete(upstreams: Upstreams, run: ArmRun, chat: ChatRequest, *, fresh: bool) -> Reply:
+    """One non-streamed arm, read whole. Raises ArmFailed when it produced nothing usable
+    (its verdict is the caller's to judge)."""
+    silence = run.silence
+    response = await post(upstreams, run, chat, fresh=fresh)
+    try:
+        raw = await response.read()
+    except TRANSPORT_ERRORS as error:
+        raise failed_in_transport(error, silence, headers_in=True, content_in=False) from None
+    finally:
+        response.release()
+    try:
+        parsed = openai.parse_completion(raw, named=run.attempt.is_aggregator)
+    except NotTheProtocol as problem:
+        raise ArmFailed(Cause.MALFORMED, f"answered 200 with a body that is {problem}") from None
+    if isinstance(parsed, UpstreamError):
+        run.named = run.named or parsed.machine
+        raise ArmFailed(Cause.IN_BAND_ERROR, f"answered 200 with {parsed.describe()}", error=parsed)
+    run.named = run.named or parsed.machine
+    return Reply(raw, parsed)
+
+
+def verdict_on(chat: ChatRequest, text: str, finish: str | None, tool_calls: bool) -> Verdict:
+    """The structural verdict on an answer (SPEC A2, A3)."""
+    return judge(
+        text,
+        finish_reason=finish,
+        has_tool_calls=tool_calls,
+        status=200,
+        prompt=chat.prompt,
+        client_capped=chat.client_capped(finish),
+    )
+
+
+async def open_stream(
+    upstreams: Upstreams, run: ArmRun, chat: ChatRequest, hooks: StreamHooks
+) -> OpenedStream:
+    """Send one streamed arm and wait for its first content (or its end). Until then a
+    failure is invisible to the client and raises ArmFailed."""
+    silence = run.silence
+    response = await post(upstreams, run, chat, fresh=hooks.fresh)
+    if "charset" not in response.headers.get("Content-Type", "").lower():
+        # Noted, never failed: this header is why latin-1 fallbacks mangle text (A1).
+        hooks.missing_charset()
+    opened = OpenedStream(
+        response,
+        reads(response, named=run.attempt.is_aggregator, on_malformed=hooks.malformed),
+        [],
+        0.0,
+    )
+    try:
+        await hold_until_content(opened, hooks.clock, hooks.named)
+    except TRANSPORT_ERRORS as error:
+        opened.close()
+        raise failed_in_transport(error, silence, headers_in=True, content_in=False) from None
+    except BaseException:
+        opened.close()
+        raise
+    return opened
+
+
+@dataclass(frozen=True, slots=True)
+class StreamHooks:
+    """What opening a stream reports back as it happens."""
+
+    clock: Clock
+    named: Callable[[str], None]
+    malformed: Callable[[], None]
+    missing_charset: Callable[[], None]
+    fresh: bool = False
+
+
+def reply_response(reply: Reply, headers: dict[str, str]) -> web.Response:
+    return web.Response(
+        body=reply.body, content_type="application/json", charset="utf-8", headers=headers
+    )

@@ -1,0 +1,350 @@
+"""One client request, from its role to its answer: the `Exchange`.
+
+The request's candidates (a model of the role on a provider serving it) are tried in the
+chooser's order. For each, the chooser says which machines may be sent to; the breakers
+admit the attempt the moment it is sent (a half-open key lets exactly one attempt through:
+this exchange holds that probe until its arm ends, and gives back whatever it still holds
+when the request ends, however it ends). An arm that fails before anything reached the
+client moves on, invisibly: to another machine of the same model (the failing one avoided),
+then to the next candidate, with a short jittered backoff and never past the role's
+patience. A 400 is never resent unchanged to the same model: context length moves on to a
+later model, any other refusal of the request goes back to the caller. A pooled connection
+the upstream had closed is sent again at once on a fresh one, counting against nothing.
+Every arm's end goes to the recorder; every candidate skipped is on the decision with why.
+Streamed arms are served by `serving.StreamServer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from aiohttp import web
+
+from rolegate_policy.config import ProxyConfig
+
+from ..core.arm_end import Answered, ArmEnd, Cause, RequestFault
+from ..core.breaker import Admission
+from ..core.decisions import Decision
+from ..core.outcomes import OutcomeKind
+from ..core.ranking import expected_cost
+from ..core.routing import Attempt, Candidate, MachineRouting, plan_candidates, routes_machines
+from ..wire.chat_request import ChatRequest
+from .arms import ArmRun, Reply, complete, reply_response, verdict_on
+from .client_stream import ClientStream
+from .failures import exhausted, rejected
+from .services import Services, served_headers
+from .serving import StreamServer
+from .upstream import ArmFailed, Silence, StaleConnection
+
+T = TypeVar("T")
+
+# Attempts on one candidate (each avoiding the machines that failed before) and in all.
+MAX_TRIES_PER_CANDIDATE = 3
+MAX_ATTEMPTS = 8
+BACKOFF_FIRST = 0.05
+BACKOFF_CAP = 1.0
+# The share of a role's patience one silent attempt may use while others could answer.
+IDLE_SHARE = 0.5
+
+
+@dataclass(slots=True)
+class Exchange:
+    services: Services
+    request: web.Request
+    chat: ChatRequest
+    config: ProxyConfig
+    decision: Decision
+    headers: dict[str, str]
+    # Every arm that produced nothing usable, in order.
+    failures: list[ArmEnd] = field(default_factory=list)
+    probes: list[Admission] = field(default_factory=list)
+    attempts_left: int = MAX_ATTEMPTS
+    client: ClientStream | None = None
+
+    def client_stream(self) -> ClientStream:
+        """The client's stream, made when the first streamed arm commits to it."""
+        if self.client is None:
+            self.client = ClientStream(self.request, self.headers)
+        return self.client
+
+    @property
+    def deadline(self) -> float:
+        return self.decision.started_at + self.chat.role.patience_seconds
+
+    async def run(self) -> web.StreamResponse:
+        try:
+            return await self._serve()
+        finally:
+            # A probe whose arm ended without a conclusive answer (cancelled, crashed, the
+            # client gone) is given back, so the next request can probe.
+            for admission in self.probes:
+                self.services.breakers.release(admission)
+
+    async def _serve(self) -> web.StreamResponse:
+        now = self.services.now()
+        candidates = self.services.chooser.order_candidates(
+            self.chat.role, plan_candidates(self.chat.role, self.config),
+            self.services.breakers.exclusion, now, prompt_tokens=self.chat.prompt_tokens,
+        )  # fmt: skip
+        if not candidates:
+            raise exhausted(self.chat, [], self.failures, self.decision)
+        skip_models: set[str] = set()
+        for index, candidate in enumerate(candidates):
+            if candidate.model.name in skip_models:
+                self.decision.skip(
+                    candidate.provider.name, candidate.model.name, None,
+                    "the model's context is too small",
+                )  # fmt: skip
+                continue
+            last = index + 1 == len(candidates) and not candidate.is_aggregator
+            response = await self._candidate(candidate, last, skip_models)
+            if response is not None:
+                return response
+            if self._out_of_time():
+                for later in candidates[index + 1 :]:
+                    self.decision.skip(
+                        later.provider.name, later.model.name, None, self._stop_reason()
+                    )
+                break
+            if index + 1 < len(candidates) and self.failures:
+                await self._backoff()
+        if not self.failures:
+            response = await self._last_resort(candidates)
+            if response is not None:
+                return response
+        raise exhausted(self.chat, candidates, self.failures, self.decision)
+
+    async def _candidate(
+        self, candidate: Candidate, last: bool, skip_models: set[str]
+    ) -> web.StreamResponse | None:
+        """Up to MAX_TRIES_PER_CANDIDATE attempts at one candidate."""
+        avoid: list[str] = []
+        for _ in range(MAX_TRIES_PER_CANDIDATE):
+            if self._out_of_time():
+                self.decision.skip(
+                    candidate.provider.name, candidate.model.name, None, self._stop_reason()
+                )
+                return None
+            attempt = self._admit(candidate, avoid)
+            if attempt is None:
+                return None
+            self.attempts_left -= 1
+            remaining = self.deadline - self.services.now()
+            patience_share = self.chat.role.patience_seconds * IDLE_SHARE
+            budget = remaining if last else min(remaining, patience_share)
+            response = await self._try(attempt, budget)
+            if response is not None:
+                return response
+            failure = self.failures[-1]
+            fault = _request_fault(failure)
+            if fault is RequestFault.CONTEXT_LENGTH:
+                skip_models.add(candidate.model.name)
+                return None
+            if fault is not None:
+                # About the request, not the machine: the caller gets it back.
+                raise rejected(failure, fault)
+            if failure.named and candidate.is_aggregator and failure.machine:
+                avoid.append(failure.machine)
+            else:
+                return None  # nothing narrower to avoid: the next candidate
+            await self._backoff()
+        return None
+
+    def _out_of_time(self) -> bool:
+        return self.deadline - self.services.now() <= 0 or self.attempts_left <= 0
+
+    def _stop_reason(self) -> str:
+        if self.deadline - self.services.now() <= 0:
+            return "the role's patience ran out"
+        return "attempt limit"
+
+    # -- admission --------------------------------------------------------------------
+
+    def _admit(self, candidate: Candidate, avoid: list[str]) -> Attempt | None:
+        services, decision = self.services, self.decision
+        provider, model = candidate.provider.name, candidate.model.name
+        choice = services.chooser.choose(
+            self.chat.role, candidate, services.breakers.exclusion, services.now(),
+            avoid=avoid, prompt_tokens=self.chat.prompt_tokens,
+        )  # fmt: skip
+        for fate in (f for f in choice.fates if not f.admitted):
+            machine = fate.machine if candidate.is_aggregator else None
+            decision.skip(provider, model, machine, f"{fate.reason}: {fate.detail}")
+        if not choice.sendable:
+            # Never an empty `only`, never an order of nobody: the candidate is skipped.
+            decision.skip(provider, model, None, choice.skip_reason or "no machine admitted")
+            return None
+        return self._admitted(Attempt(candidate.provider, candidate.model, choice.routing))
+
+    def _admitted(self, attempt: Attempt) -> Attempt | None:
+        """The breakers' word at the moment of sending; probes taken are held."""
+        routing = attempt.routing
+        machines = () if routing is None else routing.machines
+        admission = self.services.breakers.admit_attempt(
+            attempt.provider.name, attempt.model.name, machines, self.services.now()
+        )
+        self.services.recorder.transitions(admission.transitions)
+        if admission.probes:
+            self.probes.append(admission)
+        if not admission.allowed:
+            why = admission.exclusion.describe() if admission.exclusion else (
+                "every machine's re-probe is in flight"
+            )  # fmt: skip
+            self.decision.skip(attempt.provider.name, attempt.model.name, None, why)
+            return None
+        if routing is None or not admission.refused:
+            return attempt
+        for machine in admission.refused:
+            self.decision.skip(
+                attempt.provider.name, attempt.model.name, machine, "a re-probe is in flight"
+            )
+        kept = tuple(m for m in routing.machines if m not in admission.refused)
+        narrowed = MachineRouting(routing.kind, kept, (*routing.ignore, *admission.refused))
+        return Attempt(attempt.provider, attempt.model, narrowed)
+
+    def onward(self, provider_name: str, model_name: str, machine: str) -> Attempt | None:
+        """An attempt aimed at exactly one machine (a race's rival, a continuation),
+        admitted by the breakers like any other."""
+        provider = self.config.provider(provider_name)
+        model = provider.model(model_name) if provider is not None else None
+        if provider is None or model is None:
+            return None
+        routing = MachineRouting.only(machine) if routes_machines(provider) else None
+        return self._admitted(Attempt(provider, model, routing))
+
+    # -- one arm ----------------------------------------------------------------------
+
+    async def _try(self, attempt: Attempt, budget: float) -> web.StreamResponse | None:
+        if self.chat.stream:
+            return await StreamServer(self, attempt, budget).serve()
+        return await self._complete(attempt, budget)
+
+    async def _complete(self, attempt: Attempt, budget: float) -> web.StreamResponse | None:
+        silence = Silence.for_arm(attempt, budget, stream=False)
+        run = ArmRun(attempt, self.services.now(), False, silence)
+        upstreams = self.services.upstreams
+        try:
+            reply = await self.send_fresh_once(
+                run, lambda fresh: complete(upstreams, run, self.chat, fresh=fresh)
+            )
+        except ArmFailed as failure:
+            self.fail(run.failed(failure, self.services.now()))
+            return None
+        except asyncio.CancelledError:
+            # The client left while the upstream worked: the wait still teaches (B7).
+            self.record(run.end(Cause.CLIENT_LEFT, self.services.now(),
+                                "the client went away before the answer"))  # fmt: skip
+            raise
+        return self._answered(run, reply)
+
+    def _answered(self, run: ArmRun, reply: Reply) -> web.StreamResponse | None:
+        got = reply.completion
+        verdict = verdict_on(self.chat, got.text, got.finish_reason, got.has_tool_calls)
+        answer = Answered(
+            got.finish_reason, got.prompt_tokens, got.completion_tokens,
+            capped_by_upstream=self._capped(got.finish_reason),
+        )  # fmt: skip
+        now = self.services.now()
+        if verdict.counts(run.attempt.provider.degraded_output):
+            detail = f"answered 200 but the answer is {verdict.kind.value}"
+            self.fail(run.end(Cause.DEGRADED, now, detail, verdict=verdict, answer=answer))
+            return None
+        end = run.end(Cause.ANSWERED, now, "answered", verdict=verdict, answer=answer)
+        self.served(end)
+        headers = {**self.headers, **served_headers(run, got.model)}
+        return reply_response(reply, headers)
+
+    async def send_fresh_once(self, run: ArmRun, send: Callable[[bool], Awaitable[T]]) -> T:
+        """`send`, and once more on a fresh connection if the pooled one was stale (that
+        attempt is recorded, charged to nobody, and counts against no limit)."""
+        try:
+            return await send(False)
+        except StaleConnection as stale:
+            self.record(run.failed(stale, self.services.now()))
+            run.started = self.services.now()
+            return await send(True)
+
+    # -- bookkeeping ------------------------------------------------------------------
+
+    def record(self, end: ArmEnd) -> None:
+        self.services.recorder.record(end, self.decision, self.chat.role.patience_seconds)
+
+    def fail(self, end: ArmEnd) -> None:
+        self.record(end)
+        self.failures.append(end)
+
+    def served(self, end: ArmEnd) -> None:
+        """The arm whose answer reached the client: recorded, and the request's outcome."""
+        self.record(end)
+        decision = self.decision
+        decision.served_provider = end.provider
+        # The configured model name: bounded label values, and the key scores are kept by.
+        decision.served_model = end.model
+        decision.served_machine = end.machine if end.named or end.direct else None
+        decision.verdict = end.verdict.kind.value if end.verdict is not None else None
+        answer = end.answer
+        if answer is not None:
+            decision.finish_reason = answer.finish_reason
+            decision.tokens_in = answer.prompt_tokens
+            decision.tokens_out = answer.completion_tokens
+            if answer.completion_tokens is None and end.streamed:
+                decision.tokens_out = answer.content_deltas
+                decision.tokens_estimated = True
+        decision.cost_usd = _cost(end, self.config, decision.tokens_in, decision.tokens_out)
+        if end.cause is not Cause.ANSWERED:
+            decision.outcome = OutcomeKind.INCOMPLETE
+        elif decision.first_content_at is None:
+            decision.first_content_at = end.ended_at if end.first_at is None else end.first_at
+
+    def _capped(self, finish_reason: str | None) -> bool:
+        return finish_reason == "length" and not self.chat.client_capped(finish_reason)
+
+    async def _backoff(self) -> None:
+        """Jittered exponential pause between attempts: no upstream is hammered."""
+        delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (max(len(self.failures), 1) - 1))
+        delay *= 0.5 + self.services.draw() / 2
+        delay = min(delay, max(0.0, self.deadline - self.services.now()))
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def _last_resort(self, candidates: list[Candidate]) -> web.StreamResponse | None:
+        """B4: nothing was sendable. An empty admitted set falls back to an `order` of the
+        machines refused only for patience (a slow answer beats none); machines under a
+        hard exclusion are never sent to."""
+        services = self.services
+        plan = services.chooser.plan(
+            self.chat.role, candidates, services.breakers.exclusion, services.now()
+        )
+        resort = plan.last_resort()
+        if resort is None or self.deadline <= services.now():
+            return None
+        for candidate in candidates:
+            if (candidate.provider.name, candidate.model.name) == (resort.provider, resort.model):
+                attempt = self._admitted(
+                    Attempt(candidate.provider, candidate.model, resort.routing)
+                )
+                if attempt is None:
+                    return None
+                return await self._try(attempt, self.deadline - services.now())
+        return None
+
+
+def _request_fault(end: ArmEnd) -> RequestFault | None:
+    return end.request_fault if end.cause is Cause.REJECTED else None
+
+
+def _cost(
+    end: ArmEnd, config: ProxyConfig, tokens_in: int | None, tokens_out: int | None
+) -> float | None:
+    """USD from the serving machine's published prices (the ranking's cost rule)."""
+    provider = config.provider(end.provider)
+    model = provider.model(end.model) if provider is not None else None
+    sheet = next((m for m in model.machines if m.name == end.machine), None) if model else None
+    if sheet is None or tokens_in is None or tokens_out is None:
+        return None
+    return expected_cost(
+        sheet.price_input_per_mtok, sheet.price_output_per_mtok, tokens_in, tokens_out
+    )

@@ -1,0 +1,107 @@
+"""The one place an arm's end is recorded: every sink is fed from its `ArmEnd`, here and
+nowhere else.
+
+* the breaker: the upstream's faults and its answers, never what the client, we or our
+  connection pool did (SPEC A5);
+* the ledger: what the arm taught (`core.arm_end.sighting`, SPEC B7), streamed or not;
+* the verdict log and the verdict metrics (SPEC A4, A9);
+* the request's decision: the arm's row (SPEC C8), and the affinity pin of the machine that
+  answered (SPEC B3);
+* the attempt-failure metric.
+
+Synchronous and O(1): no I/O, no await. The outcome channel takes the finished decision
+later (app.py) and feeds the score from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from ..core.arm_end import ArmEnd, Cause, arm_row, breaker_input, sighting
+from ..core.beliefs import Ledger, MachineKey
+from ..core.breaker import Breakers
+from ..core.chooser import Chooser
+from ..core.decisions import Decision
+from ..core.exclusions import Transition
+from ..core.verdicts import VerdictKind, VerdictLog, VerdictRow
+from ..core.watch import Act
+from .metrics import ProxyMetrics
+
+log = logging.getLogger("rolegate.proxy")
+
+
+class Recorder:
+    def __init__(
+        self,
+        breakers: Breakers,
+        ledger: Ledger,
+        chooser: Chooser,
+        verdicts: VerdictLog,
+        metrics: ProxyMetrics,
+    ) -> None:
+        self.breakers = breakers
+        self.ledger = ledger
+        self.chooser = chooser
+        self.verdicts = verdicts
+        self.metrics = metrics
+        self.listeners: list[Callable[[Transition], None]] = []
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def record(self, end: ArmEnd, decision: Decision, patience: float) -> None:
+        now = self.now()
+        attempted = breaker_input(end)
+        if attempted is not None:
+            self.transitions(self.breakers.record(attempted, now))
+        key = None if end.machine is None else MachineKey(end.provider, end.model, end.machine)
+        if key is not None:
+            taught = sighting(end, self.ledger.belief_of(key, now))
+            if taught is not None:
+                self.ledger.note(taught)
+        self._verdict(end)
+        if end.cause is not Cause.ANSWERED:
+            self.metrics.attempt_failures.labels(end.provider, end.cause.value).inc()
+        decision.arm(arm_row(end, patience))
+        if end.cause is Cause.ANSWERED and key is not None:
+            # Affinity (SPEC B3): the machine that answered leads the role's next order.
+            self.chooser.answered(decision.role, key)
+
+    def _verdict(self, end: ArmEnd) -> None:
+        verdict = end.verdict
+        if verdict is None:
+            return
+        self.metrics.observe_verdict(end.provider, end.model, verdict)
+        if verdict.kind is not VerdictKind.OK:
+            row = VerdictRow.of(
+                verdict,
+                provider=end.provider,
+                model=end.model,
+                machine=end.machine if end.named or end.direct else None,
+                at=time.time(),
+            )
+            self.verdicts.append(row)
+
+    def act(self, role: str, act: Act, done: str) -> None:
+        """A rate act and what was made of it: raced, continued, or kept."""
+        self.metrics.acts.labels(role, act.reason.value, done).inc()
+
+    def transitions(self, transitions: list[Transition] | tuple[Transition, ...]) -> None:
+        """Breaker transitions, wherever they happened: logged, counted, and handed to the
+        listeners (the status reporter)."""
+        for transition in transitions:
+            log.warning(
+                "breaker %s key=%r cause=%s reason=%s trigger=%s",
+                transition.kind.value,
+                transition.key.describe(),
+                transition.cause.value,
+                transition.reason.value,
+                transition.trigger.value if transition.trigger else "-",
+            )
+            self.metrics.on_transition(transition)
+            for listener in self.listeners:
+                listener(transition)
+        if transitions:
+            self.metrics.observe_breakers(self.breakers.snapshot(self.now()))

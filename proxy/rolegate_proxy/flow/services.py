@@ -1,0 +1,34 @@
+"""What every exchange of one proxy process shares, and the headers that say who served."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..core.breaker import Breakers
+from ..core.chooser import Chooser
+from .arms import ArmRun
+from .recorder import Recorder
+from .upstream import Upstreams
+
+
+@dataclass(slots=True)
+class Services:
+    chooser: Chooser
+    breakers: Breakers
+    recorder: Recorder
+    upstreams: Upstreams
+    # Uniform on [0, 1): the backoff's jitter.
+    draw: Callable[[], float]
+    now: Callable[[], float]
+
+
+def served_headers(run: ArmRun, model_named: str | None) -> dict[str, str]:
+    """Which provider, model and machine served (names made safe by the wire layer)."""
+    headers = {
+        "X-Rolegate-Provider": run.attempt.provider.name,
+        "X-Rolegate-Model": model_named or run.attempt.model.name,
+    }
+    if run.machine:
+        headers["X-Rolegate-Machine"] = run.machine
+    return headers

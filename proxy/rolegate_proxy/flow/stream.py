@@ -1,0 +1,199 @@
+"""A streamed arm: opening it (held back until its first content) and relaying it.
+
+Streaming is committed lazily: events are held back until the first one that carries
+content (or the end of the stream), so an upstream that fails before producing anything is
+replaced by the next attempt and the client never sees it. Once committed, each event's
+own bytes go to the client as they arrive, one write per network read. The relay stops at
+the first of: the answer's `[DONE]` (the client then has the complete answer and nothing
+more is read), a break (cut, silence, an error event), a rate act that can move the
+stream, or the client leaving (`ClientGone`, raised by the client stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import aiohttp
+
+from ..core.arm_end import Cause
+from ..core.watch import Act, Watch
+from ..wire import openai
+from ..wire.openai import Chunk
+from ..wire.sse import Event, EventFramer, MalformedEvent, decode_event_json
+from .client_stream import ClientStream
+from .upstream import TRANSPORT_ERRORS, ArmFailed, Silence, failed_in_transport
+
+Item = Event | Chunk
+Clock = Callable[[], float]
+
+
+async def reads(
+    response: aiohttp.ClientResponse, *, named: bool, on_malformed: Callable[[], None]
+) -> AsyncIterator[list[Item]]:
+    """Per network read, the complete events it finished: comments and [DONE] as they are,
+    data events decoded. A malformed event is skipped and counted (SPEC E4)."""
+    framer = EventFramer()
+    async for data in response.content.iter_any():
+        items: list[Item] = []
+        for event in framer.feed(data):
+            if event.is_comment or event.is_done:
+                items.append(event)
+                continue
+            try:
+                payload = decode_event_json(event)
+            except MalformedEvent:
+                on_malformed()
+                continue
+            items.append(openai.read_chunk(payload, event.raw, named=named))
+        if items:
+            yield items
+
+
+@dataclass(slots=True)
+class OpenedStream:
+    """A stream that has produced its first content (or ended empty), not yet committed."""
+
+    response: aiohttp.ClientResponse
+    reads: AsyncIterator[list[Item]]
+    held: list[Item]
+    first_at: float
+    # The machine and model its chunks named, when they did.
+    machine: str | None = None
+    model: str | None = None
+    # It reached its finish (or [DONE]) with no content and no tool call.
+    empty: bool = False
+    finish_reason: str | None = None
+
+    def close(self) -> None:
+        """Read to its end: the connection goes back to the pool. Otherwise (the client
+        left, the stream broke or moved) it is closed, so the upstream stops generating."""
+        if not self.response.closed and self.response.content.at_eof():
+            self.response.release()
+        else:
+            self.response.close()
+
+
+async def hold_until_content(
+    opened: OpenedStream, clock: Clock, on_named: Callable[[str], None]
+) -> None:
+    """Read until the first content, the finish or [DONE] (plus whatever came in the same
+    read), filling `opened`. Raises ArmFailed if the arm fails before that."""
+    async for items in opened.reads:
+        for index, item in enumerate(items):
+            if isinstance(item, Event):
+                if item.is_done:
+                    opened.held.extend(items[index:])
+                    opened.empty = True
+                    opened.first_at = clock()
+                    return
+                continue  # keep-alive comments before content mean nothing to a client
+            if item.error is not None:
+                raise ArmFailed(
+                    Cause.IN_BAND_ERROR, f"{item.error.describe()} before any content",
+                    error=item.error,
+                )  # fmt: skip
+            if opened.machine is None and item.machine is not None:
+                opened.machine = item.machine
+                # The machine is known before its first token: the rate test judges the
+                # wait against the right belief.
+                on_named(item.machine)
+            opened.model = opened.model or item.model
+            if item.has_content:
+                opened.held.extend(items[index:])
+                opened.first_at = clock()
+                opened.finish_reason = item.finish_reason
+                opened.empty = item.finish_reason is not None and not item.has_output
+                return
+            opened.held.append(item)
+    raise ArmFailed(Cause.CUT, "the stream ended before any content or [DONE]")
+
+
+class StopKind(StrEnum):
+    DONE = "done"
+    BROKE = "broke"
+    MOVE = "move"
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    kind: StopKind
+    cause: Cause = Cause.ANSWERED
+    detail: str = ""
+    act: Act | None = None
+
+
+_DONE = Stop(StopKind.DONE)
+
+
+@dataclass(slots=True)
+class Relay:
+    """Forwards one opened stream to the client, feeding its watch."""
+
+    opened: OpenedStream
+    client: ClientStream
+    watch: Watch
+    silence: Silence
+    clock: Clock
+    # Whether a rate act may still move this stream (one move per request).
+    may_move: bool = True
+    # The rate acts that found nothing to move to: kept, and counted.
+    kept: list[Act] = field(default_factory=list)
+
+    async def run(self) -> Stop:
+        """Forward until the answer is complete, the stream breaks, or it should move."""
+        if self.opened.held:
+            held, self.opened.held = self.opened.held, []
+            stop = await self._send(held, first=True)
+            if stop is not None:
+                return stop
+        while True:
+            try:
+                items = await anext(self.opened.reads)
+            except StopAsyncIteration:
+                return self._ended_early()
+            except TRANSPORT_ERRORS as error:
+                failure = failed_in_transport(error, self.silence, headers_in=True, content_in=True)
+                return Stop(StopKind.BROKE, failure.cause, failure.detail)
+            stop = await self._send(items, first=False)
+            if stop is not None:
+                return stop
+
+    def _ended_early(self) -> Stop:
+        if self.client.delivered.finish_reason is not None:
+            detail = "the upstream stream ended without its terminating [DONE] event"
+        else:
+            detail = "the upstream stream was cut before the answer finished"
+        return Stop(StopKind.BROKE, Cause.CUT, detail)
+
+    async def _send(self, items: list[Item], *, first: bool) -> Stop | None:
+        """One read's events, in one write. The first content's gap is the TTFT (the watch
+        took it when the stream opened), not a token gap."""
+        out = bytearray()
+        tokens = 0
+        for item in items:
+            if isinstance(item, Event):
+                out += item.raw
+                if item.is_done:
+                    await self.client.finish(bytes(out))
+                    return _DONE
+                continue
+            if item.error is not None:
+                await self.client.write(bytes(out))
+                code = f" ({item.error.code})" if item.error.code else ""
+                detail = f"the upstream reported an error mid-stream{code}"
+                return Stop(StopKind.BROKE, Cause.IN_BAND_ERROR, detail)
+            self.client.delivered.note(item)
+            tokens += 1 if item.content else 0
+            out += item.raw
+        await self.client.write(bytes(out))
+        if first or not tokens:
+            return None
+        act = self.watch.observe(self.clock(), tokens=tokens)
+        if act is None:
+            return None
+        if self.may_move and act.movable and act.alternative is not None:
+            return Stop(StopKind.MOVE, Cause.MOVED, act=act)
+        self.kept.append(act)
+        return None
