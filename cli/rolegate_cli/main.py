@@ -129,6 +129,15 @@ def _parser() -> argparse.ArgumentParser:
         "a demoted machine stays observed and can win its traffic back (default: 0.02)",
     )
     proxy.add_argument(
+        "--metrics-max-machines",
+        type=_non_negative_int,
+        default=100,
+        metavar="N",
+        help="machines an upstream names (an aggregator's sub-providers) that keep their "
+        "own label on /metrics, per provider; later ones share the label 'other', "
+        "configured machines always keep theirs (default: 100)",
+    )
+    proxy.add_argument(
         "--seed",
         type=int,
         default=None,
@@ -210,13 +219,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    value = _int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
 
 
 def _positive_float(text: str) -> float:
@@ -298,6 +318,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         score_half_life=args.score_half_life,
         random_seed=args.seed,
         explore_share=args.explore_share,
+        metrics_max_machines=args.metrics_max_machines,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
     )
     serve(settings, config, source)

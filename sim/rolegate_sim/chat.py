@@ -118,8 +118,16 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     auth = request.headers.get("Authorization", "")
     if auth.startswith("Bearer "):
         record.bearer_sha256 = hashlib.sha256(auth[7:].encode()).hexdigest()[:12]
+    connection = request.transport
+    now = time.monotonic()
+    if connection is not None and state.closed_for_idleness(connection, now):
+        # The server closed this connection while it sat idle; the request crossed the
+        # close on the wire and is lost before any byte of an answer.
+        record.finish(Outcome.IDLE_CLOSED)
+        reset_connection(request)
+        await await_cancellation()
     try:
-        return await _serve(request, state, record)
+        response = await _serve(request, state, record)
     except asyncio.CancelledError:
         # The client went away (aiohttp cancels the handler on connection loss) or the
         # server is stopping. Record it, and let the cancellation propagate.
@@ -138,6 +146,9 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
         record.status = 500
         record.finish(Outcome.ERROR_STATUS)
         raise
+    if connection is not None:
+        state.answered_on(connection, time.monotonic())
+    return response
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,8 @@ from rolegate_sim.scenario import (
     CutFault,
     EmptyFault,
     Fault,
+    LingerAfterDoneFault,
+    MultiLineEventsFault,
     NoDoneFault,
     SplitWritesFault,
     StallFault,
@@ -95,7 +97,11 @@ async def send_stream(
     response.headers["Cache-Control"] = "no-cache"
     record.status = 200
     encoder = ChunkEncoder(
-        gen_id=plan.gen_id, created=plan.created, model=plan.model, provider=plan.provider
+        gen_id=plan.gen_id,
+        created=plan.created,
+        model=plan.model,
+        provider=plan.provider,
+        multi_line=isinstance(plan.fault, MultiLineEventsFault),
     )
     writer = EventWriter(response, plan.split)
     fault = plan.fault
@@ -148,6 +154,11 @@ async def send_stream(
             writer.add(encoder.usage(plan.usage(record.tokens_sent)))
         if not isinstance(fault, NoDoneFault):
             writer.add(DONE_EVENT)
+        if isinstance(fault, LingerAfterDoneFault):
+            # The answer is complete on the wire; the body ends only later.
+            await writer.flush()
+            record.tokens_sent = stop
+            await asyncio.sleep(fault.seconds)
         await writer.finish()
     except ConnectionError:
         record.finish(Outcome.CLIENT_DISCONNECTED)

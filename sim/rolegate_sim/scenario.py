@@ -158,6 +158,21 @@ class DownFault(_FaultBase):
     kind: Literal["down"]
 
 
+class LingerAfterDoneFault(_FaultBase):
+    """The stream's `[DONE]` goes out, then the connection stays open this long before the
+    body ends (as some servers do): a client that has its answer must not wait for it."""
+
+    kind: Literal["lingerAfterDone"]
+    seconds: Annotated[float, Field(gt=0)] = 0.5
+
+
+class MultiLineEventsFault(_FaultBase):
+    """Each chunk's JSON is written over two `data:` lines of one event (valid SSE: the
+    lines of an event join with a newline, which JSON reads as whitespace)."""
+
+    kind: Literal["multiLineEvents"]
+
+
 Fault = Annotated[
     RateLimitFault
     | ServerErrorFault
@@ -173,7 +188,9 @@ Fault = Annotated[
     | ReplacementCharFault
     | RateCollapseFault
     | SplitWritesFault
-    | DownFault,
+    | DownFault
+    | LingerAfterDoneFault
+    | MultiLineEventsFault,
     Field(discriminator="kind"),
 ]
 
@@ -193,6 +210,8 @@ FAULT_KINDS: tuple[str, ...] = (
     "rateCollapse",
     "splitWrites",
     "down",
+    "lingerAfterDone",
+    "multiLineEvents",
 )
 
 _FAULT_LIST: TypeAdapter[tuple[Fault, ...]] = TypeAdapter(tuple[Fault, ...])
@@ -240,6 +259,10 @@ class Scenario(_Frozen):
     # None mirrors OpenRouter: `text/event-stream` with no charset parameter, which is what
     # tempts clients into a latin-1 fallback. "utf-8" adds `; charset=utf-8`.
     charset: Literal["utf-8"] | None = None
+    # A keep-alive connection idle longer than this is closed by the server; a request the
+    # client sends on it afterwards (it crossed the close on the wire) is lost: the
+    # connection is reset before any byte of an answer. None keeps connections open.
+    idle_close_seconds: Annotated[float, Field(gt=0)] | None = None
     # Request records kept for /_sim/requests; the oldest are dropped beyond this.
     record_limit: Annotated[int, Field(ge=1)] = 100_000
     models: tuple[ModelSpec, ...]

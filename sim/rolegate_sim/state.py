@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -29,6 +30,8 @@ class Outcome(StrEnum):
     STREAM_ERROR = "stream_error"
     NO_RESPONSE = "no_response"
     SERVER_STOPPED = "server_stopped"
+    # Sent on a keep-alive connection the server had closed for idleness (idleCloseSeconds).
+    IDLE_CLOSED = "idle_closed"
 
 
 @dataclass(slots=True)
@@ -131,7 +134,18 @@ class SimState:
         self.models: dict[str, ModelState] = {}
         self.records: deque[RequestRecord] = deque(maxlen=scenario.record_limit)
         self._seq = itertools.count(1)
+        # When each open connection last finished an answer (monotonic seconds).
+        self._idle_since: weakref.WeakKeyDictionary[object, float] = weakref.WeakKeyDictionary()
         self.reset(restore_faults=True)
+
+    def closed_for_idleness(self, connection: object, now: float) -> bool:
+        """Whether the server would have closed `connection` by now (idleCloseSeconds)."""
+        limit = self.scenario.idle_close_seconds
+        since = self._idle_since.get(connection)
+        return limit is not None and since is not None and now - since > limit
+
+    def answered_on(self, connection: object, now: float) -> None:
+        self._idle_since[connection] = now
 
     def reset(self, *, restore_faults: bool = False) -> None:
         """Forget the records and zero every machine's request counter, so the same

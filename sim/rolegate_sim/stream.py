@@ -39,7 +39,7 @@ def dumps(value: Any) -> bytes:
 class ChunkEncoder:
     """Encodes `chat.completion.chunk` events for one response."""
 
-    __slots__ = ("_head", "_identity")
+    __slots__ = ("_break", "_head", "_identity")
 
     def __init__(
         self,
@@ -48,8 +48,10 @@ class ChunkEncoder:
         created: int,
         model: tuple[str, bytes],
         provider: tuple[str, bytes],
+        multi_line: bool = False,
     ) -> None:
-        """`model` and `provider` are each (name, name as a JSON string)."""
+        """`model` and `provider` are each (name, name as a JSON string). `multi_line`
+        writes each event's JSON over two `data:` lines (the multiLineEvents fault)."""
         (model_name, model_json), (provider_name, provider_json) = model, provider
         self._identity: dict[str, Any] = {
             "id": gen_id,
@@ -58,6 +60,9 @@ class ChunkEncoder:
             "model": model_name,
             "provider": provider_name,
         }
+        # Where a multi-line event breaks its JSON: between two members, where a newline
+        # is whitespace to a JSON reader.
+        self._break = b",\ndata: " if multi_line else b","
         self._head = b"".join(
             (
                 b'data: {"id":"',
@@ -68,7 +73,8 @@ class ChunkEncoder:
                 model_json,
                 b',"provider":',
                 provider_json,
-                b',"choices":[{"index":0,"delta":',
+                self._break,
+                b'"choices":[{"index":0,"delta":',
             )
         )
 
@@ -83,7 +89,9 @@ class ChunkEncoder:
         return self._head + delta + b',"finish_reason":"' + reason.encode("ascii") + b'"}]}\n\n'
 
     def usage(self, usage: Mapping[str, int]) -> bytes:
-        return b"data: " + dumps({**self._identity, "choices": [], "usage": dict(usage)}) + b"\n\n"
+        body = dumps({**self._identity, "choices": [], "usage": dict(usage)})
+        head, _, rest = body.partition(b',"choices":')
+        return b"data: " + head + self._break + b'"choices":' + rest + b"\n\n"
 
 
 def error_event(message: str, code: int) -> bytes:

@@ -77,6 +77,8 @@ WITH_FALLBACK: dict[str, dict[str, Any]] = {
     "rateCollapse": {"afterTokens": 3, "tokensPerSecond": 400},
     "splitWrites": {},
     "down": {},
+    "lingerAfterDone": {"seconds": 30},
+    "multiLineEvents": {},
 }
 WITHOUT_FALLBACK: dict[str, dict[str, Any]] = {
     **WITH_FALLBACK,
@@ -138,6 +140,9 @@ EXPECTED: dict[str, Plan] = {
     # The aggregator answers 404 "No endpoints found" when a model's only machine is down:
     # about the candidate, not the request, so the role's next model answers.
     "down": BEFORE_CONTENT,
+    # The complete answer is the end of the request, whatever the upstream does after it.
+    "lingerAfterDone": HARMLESS,
+    "multiLineEvents": HARMLESS,
 }
 MANGLING = {"mojibake", "replacementChar"}
 

@@ -79,8 +79,10 @@ def parse_sse(raw: bytes) -> list[Any]:
     for block in raw.decode("utf-8").split("\n\n"):
         if not block:
             continue
-        assert block.startswith("data: "), block
-        data = block[len("data: ") :]
+        lines = block.split("\n")
+        assert all(line.startswith("data: ") for line in lines), block
+        # The lines of one event join with a newline (the SSE rule).
+        data = "\n".join(line[len("data: ") :] for line in lines)
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
 

@@ -472,3 +472,54 @@ async def test_concurrency_does_not_change_which_request_gets_which_fault(
         (r["machine_request"], r["status"]) for r in await records(http, concurrent.url)
     )
     assert [status for _, status in recorded] == expected
+
+
+# --- connection behaviours the proxy's request path must survive -----------------------
+
+
+async def test_linger_after_done_keeps_the_body_open_after_the_complete_answer(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, {"kind": "lingerAfterDone", "always": True, "seconds": 1})
+    async with http.post(f"{url}/v1/chat/completions", json=body(stream=True)) as response:
+        received = b""
+        while not received.endswith(b"data: [DONE]\n\n"):
+            received += await response.content.readany()
+        # The answer is complete, yet the body has not ended.
+        assert not response.content.at_eof()
+        read_rest = asyncio.ensure_future(response.content.read())
+        done, _ = await asyncio.wait({read_rest}, timeout=0.3)
+        assert not done
+        assert await read_rest == b""
+    assert (await finished_record(http, url))["outcome"] == "completed"
+
+
+async def test_multi_line_events_carry_each_chunk_over_two_data_lines(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("multiLineEvents"))
+    reply = await chat(http, url, body(stream=True, stream_options={"include_usage": True}))
+    blocks = [b for b in reply.raw.decode().split("\n\n") if b and b != "data: [DONE]"]
+    assert blocks
+    assert all(block.count("\ndata: ") == 1 for block in blocks)
+    # Joined as SSE prescribes, every event is the whole chunk.
+    assert reply.text == REPLY
+    assert reply.events[-2]["usage"]["completion_tokens"] == 6
+
+
+async def test_a_request_on_a_connection_closed_for_idleness_is_reset_unanswered(
+    start_sim: StartSim,
+) -> None:
+    sim = await start_sim(scenario(machine("a"), idleCloseSeconds=0.05))
+    connector = aiohttp.TCPConnector(limit=1)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        assert (await chat(session, sim.url, body())).status == 200
+        idle_until = time.monotonic() + 0.1
+        await asyncio.sleep(idle_until - time.monotonic())  # the idleness is the stimulus
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await chat(session, sim.url, body())
+        # A fresh connection is answered.
+        assert (await chat(session, sim.url, body())).status == 200
+    async with aiohttp.ClientSession() as session:
+        outcomes = [r["outcome"] for r in await records(session, sim.url)]
+    assert outcomes == ["completed", "idle_closed", "completed"]

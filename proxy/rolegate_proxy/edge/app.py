@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from rolegate_policy.config import (
     ProxyConfig,
@@ -240,5 +240,7 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[STATE].metrics.registry)
+    # Snapshot on the loop, render in a worker thread: a large page must not hold the loop.
+    render = request.app[STATE].metrics.scrape()
+    body = await asyncio.to_thread(render)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.outcomes import DEFAULT_CAPACITY
+from ..flow.metrics import MAX_MACHINE_LABELS
 from .credentials import DEFAULT_SECRETS_DIR
 
 
@@ -40,3 +41,7 @@ class ProxySettings:
     # Seeds the proxy's randomness (backoff jitter, breaker cooldown jitter, the quality
     # tiers' dither) for reproducible simulations; None: seeded from the OS.
     random_seed: int | None = None
+    # Machines an upstream names (an aggregator's sub-providers) that keep their own label
+    # on the metrics, per provider; later ones share the label `other`. Configured
+    # machines always keep theirs.
+    metrics_max_machines: int = MAX_MACHINE_LABELS

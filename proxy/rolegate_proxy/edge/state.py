@@ -45,7 +45,7 @@ class ProxyState:
     # so an in-flight request finishes on the configuration it started with (SPEC D3).
     config: ProxyConfig
     keys: KeyStore
-    metrics: ProxyMetrics = field(default_factory=ProxyMetrics)
+    metrics: ProxyMetrics = field(init=False)
     source: ConfigMapSource | None = None
     decisions: DecisionLog = field(default_factory=DecisionLog)
     served: ServedIndex = field(default_factory=ServedIndex)
@@ -58,6 +58,8 @@ class ProxyState:
     def __post_init__(self) -> None:
         settings = self.settings
         rng = random.Random(settings.random_seed)
+        self.metrics = ProxyMetrics(settings.metrics_max_machines)
+        self.metrics.machine_label.configure(self.config)
         self.dispatcher = Dispatcher(
             breakers=Breakers(self._breaker_settings, rng, degraded_for=self._degraded_settings),
             verdicts=VerdictLog(),
@@ -81,7 +83,7 @@ class ProxyState:
             self.exporter = OutcomeExporter(settings.outcome_export)
             self.consumers.append(self.exporter)
         exporter = self.exporter
-        self.metrics.watch_scores(self.dispatcher.scores.rows)
+        self.metrics.watch_scores(self.dispatcher.scores.views)
         self.metrics.watch_counters(
             {
                 "rolegate_outcomes_emitted": (
@@ -130,6 +132,7 @@ class ProxyState:
         previous = self.config
         self.dispatcher.ledger.load_sheet(config)
         self.config = config
+        self.metrics.machine_label.configure(config)
         self.metrics.config_hash.labels(config.hash).set(1)
         if previous.hash:
             self.metrics.config_hash.remove(previous.hash)

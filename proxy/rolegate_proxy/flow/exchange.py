@@ -102,6 +102,7 @@ class Exchange:
             last = index + 1 == len(candidates) and not candidate.is_aggregator
             response = await self._candidate(candidate, last, skip_models)
             if response is not None:
+                self._note_refused(candidates[index + 1 :])
                 return response
             if self._out_of_time():
                 for later in candidates[index + 1 :]:
@@ -152,6 +153,17 @@ class Exchange:
                 return None  # nothing narrower to avoid: the next candidate
             await self._backoff()
         return None
+
+    def _note_refused(self, untried: list[Candidate]) -> None:
+        """The candidates an earlier one's answer made unnecessary: those a breaker refuses
+        are on the decision all the same, with why (the chooser orders them last, so they
+        are the ones a reader looks for)."""
+        exclusion, now = self.services.breakers.exclusion, self.services.now()
+        for candidate in untried:
+            provider, model = candidate.provider.name, candidate.model.name
+            refused = exclusion(provider, model, None, now)
+            if refused is not None:
+                self.decision.skip(provider, model, None, refused.describe())
 
     def _out_of_time(self) -> bool:
         return self.deadline - self.services.now() <= 0 or self.attempts_left <= 0

@@ -2,33 +2,85 @@
 
 from __future__ import annotations
 
+import gc
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Final
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Final, NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from rolegate_policy.config import ProxyConfig
 from rolegate_policy.status import BreakerPhase
 
+from ..core.beliefs import MachineKey
 from ..core.exclusions import (
     BreakerView,
     Transition,
 )
 from ..core.outcomes import Outcome
-from ..core.score import ScoreRow
+from ..core.score import ScoreView
 from ..core.verdicts import Verdict, VerdictKind
 
 LATENCY_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Label children remembered by `_child` at most (series are bounded by the configuration).
 MAX_CACHED_SERIES: Final = 10_000
 TTFT_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+# Machines named by upstreams that keep their own label, per provider (ProxySettings).
+MAX_MACHINE_LABELS: Final = 100
+# The label shared by the machines past that limit.
+OTHER_MACHINES: Final = "other"
+
+
+class MachineLabels:
+    """The machine label of a series: its own name for every configured machine and for the
+    first `limit` others a provider names, `other` for the rest.
+
+    Machine names come from upstream answers (an aggregator names its sub-provider in each
+    one), so unbounded, one aggregator's long tail makes every machine-labelled series
+    unbounded (1,500 names made /metrics 7 MB). Counted per provider, so one aggregator's
+    tail never folds another provider's machines. Configured machines are exempt: the
+    configuration bounds them, and they are the ones an operator's dashboards name. A name
+    that got its own label keeps it for the life of the process (a label that changed
+    meaning would break every rate over it)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._configured: dict[str, frozenset[str]] = {}
+        self._named: dict[str, set[str]] = {}
+
+    def configure(self, config: ProxyConfig) -> None:
+        self._configured = {
+            provider.name: frozenset(
+                machine.name for model in provider.models for machine in model.machines
+            )
+            for provider in config.providers
+        }
+
+    def __call__(self, provider: str, machine: str) -> str:
+        if not machine or machine in self._configured.get(provider, ()):
+            return machine
+        named = self._named.setdefault(provider, set())
+        if machine in named:
+            return machine
+        if len(named) < self._limit:
+            named.add(machine)
+            return machine
+        return OTHER_MACHINES
 
 
 class ProxyMetrics:
-    def __init__(self) -> None:
+    """Every series is fed on the event loop; `scrape` renders them off it."""
+
+    def __init__(self, max_machines: int = MAX_MACHINE_LABELS) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.machine_label = MachineLabels(max_machines)
+        self._scores = _ScoreGauges()
+        self._score_views: Callable[[], Iterable[_Views]] = tuple
         # Request-level series are fed by the outcome channel (a consumer, off the
         # request path); `rolegate_outcomes_dropped_total` says how many it lost.
         self.requests = Counter(
@@ -165,25 +217,34 @@ class ProxyMetrics:
         scrape time: exact even when the channel dropped records. name -> (help, read)."""
         self.registry.register(_ReadCounters(counters))
 
-    def watch_scores(self, rows: Callable[[], Iterable[ScoreRow]]) -> None:
-        """Score gauges read from the scoreboard at scrape time (nothing per request)."""
-        self.registry.register(_ScoreGauges(rows))
+    def watch_scores(self, views: Callable[[], Iterable[_Views]]) -> None:
+        """Score gauges read from the scoreboard at scrape time (nothing per request):
+        `views` lists (key, operational view, semantic view or None)."""
+        self._score_views = views
+        self.registry.register(self._scores)
+
+    def scrape(self) -> Callable[[], bytes]:
+        """Take, on the loop, what a scrape reads of state the loop mutates (the score
+        table), and return the rendering, to be run in a worker thread: a page of many
+        series held the loop for a second. prometheus_client's own series are safe to read
+        from any thread; the score gauges then read only this snapshot."""
+        self._scores.rows = _folded_scores(self._score_views(), self.machine_label)
+        return partial(_render, self.registry)
 
     def observe_outcomes(self, batch: Sequence[Outcome]) -> None:
         """The metrics consumer of the outcome channel."""
-        child = self._child
+        child, label = self._child, self.machine_label
         for outcome in batch:
             role = outcome.role or "-"
             child(self.requests, role, str(outcome.status), outcome.outcome.value).inc()
             child(self.latency, role).observe(outcome.latency_seconds)
             for arm in outcome.arms:
-                child(
-                    self.arms, role, arm.provider, arm.model, arm.machine or "", arm.result.value
-                ).inc()
+                machine = label(arm.provider, arm.machine or "")
+                child(self.arms, role, arm.provider, arm.model, machine, arm.result.value).inc()
             provider, model = outcome.provider, outcome.model
             if provider is None or model is None:
                 continue
-            machine = outcome.machine or ""
+            machine = label(provider, outcome.machine or "")
             child(self.served_latency, role, provider, model, machine).observe(
                 outcome.latency_seconds
             )
@@ -232,13 +293,34 @@ class ProxyMetrics:
             if state.state is BreakerPhase.CLOSED:
                 continue
             key = state.key
+            # Folded breakers share one series: 1 while any of them is excluded.
             self.breaker_open.labels(
                 key.provider,
                 key.model or "",
-                key.machine or "",
+                self.machine_label(key.provider, key.machine or ""),
                 state.cause.value,
                 state.state.value,
             ).set(1)
+
+
+# One page rendered at a time in the process: the cycle collector is paused while one is.
+_RENDERING: Final = threading.Lock()
+
+
+def _render(registry: CollectorRegistry) -> bytes:
+    """The page, with the cycle collector paused. A large page is tens of thousands of
+    samples alive at once, enough to set off a full collection of the whole heap (50-70 ms
+    with the loop stopped, measured with 1,500 machines); they are acyclic and freed as
+    they go, so nothing waits for the collector. The collector's switch is process-wide,
+    hence one render at a time."""
+    with _RENDERING:
+        resume = gc.isenabled()
+        gc.disable()
+        try:
+            return generate_latest(registry)
+        finally:
+            if resume:
+                gc.enable()
 
 
 class _ReadCounters(Collector):
@@ -257,9 +339,79 @@ class _ReadCounters(Collector):
 _SCORE_LABELS: Final = ["provider", "model", "machine"]
 
 
+# One machine's scores as the scoreboard lists them: key, operational, semantic (or None).
+_Views = tuple[MachineKey, ScoreView, ScoreView | None]
+
+
+class _Scores(NamedTuple):
+    """One score series' values, as the scrape's snapshot holds them (a tuple: the
+    snapshot is built on the loop, one per machine)."""
+
+    labels: tuple[str, str, str]
+    operational: float
+    observations: int
+    semantic: float | None
+
+
+@dataclass(slots=True)
+class _Mean:
+    """Scores of folded machines as one: weighted by the observations behind each (the
+    score of the traffic they served); neutral while none has any."""
+
+    total: float = 0.0
+    weight: int = 0
+    neutral: float = 0.0
+
+    def add(self, view: ScoreView) -> None:
+        self.total += view.score * view.n
+        self.weight += view.n
+        self.neutral = view.neutral
+
+    @property
+    def score(self) -> float:
+        return self.total / self.weight if self.weight else self.neutral
+
+
+@dataclass(slots=True)
+class _Pool:
+    operational: _Mean
+    semantic: _Mean | None = None
+
+    def add(self, operational: ScoreView, semantic: ScoreView | None) -> None:
+        self.operational.add(operational)
+        if semantic is not None:
+            self.semantic = self.semantic or _Mean()
+            self.semantic.add(semantic)
+
+    def scores(self, labels: tuple[str, str, str]) -> _Scores:
+        semantic = None if self.semantic is None else self.semantic.score
+        return _Scores(labels, self.operational.score, self.operational.weight, semantic)
+
+
+def _folded_scores(
+    views: Iterable[_Views], label: Callable[[str, str], str]
+) -> tuple[_Scores, ...]:
+    """The scores with their machines labelled; machines folded into one label are
+    pooled, since two series with the same labels are not a valid page."""
+    own: list[_Scores] = []
+    pools: dict[tuple[str, str, str], _Pool] = {}
+    for (provider, model, machine), operational, semantic in views:
+        labels = (provider, model, label(provider, machine))
+        if labels[2] == OTHER_MACHINES:
+            pools.setdefault(labels, _Pool(_Mean())).add(operational, semantic)
+        else:
+            score = None if semantic is None else semantic.score
+            own.append(_Scores(labels, operational.score, operational.n, score))
+    own.extend(pool.scores(labels) for labels, pool in pools.items())
+    return tuple(own)
+
+
 class _ScoreGauges(Collector):
-    def __init__(self, rows: Callable[[], Iterable[ScoreRow]]) -> None:
-        self._rows = rows
+    """Renders the snapshot `ProxyMetrics.scrape` took: replaced whole, never mutated, so
+    a worker thread reads it safely while the loop goes on."""
+
+    def __init__(self) -> None:
+        self.rows: tuple[_Scores, ...] = ()
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         operational = GaugeMetricFamily(
@@ -278,12 +430,14 @@ class _ScoreGauges(Collector):
             "absent until an evaluator has reported.",
             labels=_SCORE_LABELS,
         )
-        for row in self._rows():
-            labels = [row.key.provider, row.key.model, row.key.machine]
-            operational.add_metric(labels, row.operational.score)
-            observations.add_metric(labels, row.operational.n)
+        # Sorted here, in the rendering thread, for a page in a stable order (the labels
+        # are unique, so the sort never compares further).
+        for row in sorted(self.rows):
+            labels = list(row.labels)
+            operational.add_metric(labels, row.operational)
+            observations.add_metric(labels, row.observations)
             if row.semantic is not None:
-                semantic.add_metric(labels, row.semantic.score)
+                semantic.add_metric(labels, row.semantic)
         yield operational
         yield observations
         yield semantic
