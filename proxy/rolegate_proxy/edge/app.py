@@ -20,6 +20,7 @@ from . import explain
 from .calls import Call
 from .configmap_source import ConfigMapSource
 from .credentials import KeyStore
+from .error_shape import openai_errors
 from .settings import ProxySettings
 from .state import STATE, ProxyState
 from .status_reporter import BreakerReporter
@@ -38,8 +39,12 @@ def create_app(
     state = ProxyState(settings=settings, config=config, keys=keys, source=source)
     if config.hash:
         state.metrics.config_hash.labels(config.hash).set(1)
-    # aiohttp enforces the limit on bodies without Content-Length; we answer in OpenAI shape.
-    app = web.Application(client_max_size=settings.max_body_bytes)
+    # aiohttp enforces the limit on bodies without Content-Length; we answer in OpenAI shape,
+    # as we do the routing's errors (404, 405).
+    app = web.Application(
+        client_max_size=settings.max_body_bytes,
+        middlewares=[openai_errors(settings.max_body_bytes)],
+    )
     app[STATE] = state
     app.cleanup_ctx.append(_upstream_session)
     app.cleanup_ctx.append(_key_refresher)

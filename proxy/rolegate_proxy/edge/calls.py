@@ -8,11 +8,12 @@ or 499 (nginx's convention) when the client went away before its answer was comp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 
-from aiohttp import web
+from aiohttp import hdrs, http_exceptions, web
 
 from ..core.decisions import Decision
 from ..core.outcomes import Outcome, OutcomeKind
@@ -50,7 +51,10 @@ class Call:
                 OutcomeKind.FAILED if error.status == 429 or error.status >= 500
                 else OutcomeKind.REJECTED
             )  # fmt: skip
-            return error.response(self.headers)
+            response = error.response(self.headers)
+            if error.close_connection:
+                await answer_and_close(self.request, response)
+            return response
         except asyncio.CancelledError:
             self.status, self.kind = CLIENT_GONE, OutcomeKind.CANCELLED
             raise
@@ -117,26 +121,73 @@ def request_id(request: web.Request) -> str:
     return uuid.uuid4().hex
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    too_large = ProxyError(
+def body_too_large(limit: int) -> ProxyError:
+    return ProxyError(
         413,
         f"Request body is over the {limit}-byte limit; send a smaller request "
         "or raise the proxy's --max-body-bytes.",
         code="body_too_large",
     )
+
+
+# The content codings aiohttp decodes (br and zstd only with their libraries installed: the
+# parser refuses them otherwise), and the one that means none.
+DECODED_CODINGS = frozenset({"identity", "gzip", "deflate", "br", "zstd"})
+
+
+def unsupported_encoding() -> ProxyError:
+    """A Content-Encoding the proxy cannot decode: 415, naming the codings it can (RFC 9110
+    15.5.16). Without this refusal aiohttp would read an unknown coding's bytes as they
+    came, and the body would fail as JSON for a reason the client cannot see."""
+    return ProxyError(
+        415,
+        "The request's Content-Encoding is not one the proxy decodes; send the body "
+        "uncompressed, or compressed with gzip or deflate, and say so in Content-Encoding.",
+        code="unsupported_encoding",
+        headers={hdrs.ACCEPT_ENCODING: "gzip, deflate"},
+    )
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    too_large = body_too_large(limit)
     if request.content_length is not None and request.content_length > limit:
         raise too_large
+    coding = request.headers.get(hdrs.CONTENT_ENCODING) or "identity"
+    if coding.lower() not in DECODED_CODINGS:
+        raise unsupported_encoding()
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
-    except (web.RequestPayloadError, ValueError):
-        # A body its Content-Encoding cannot decode, or one cut short. The rest of it is
-        # unreadable: the connection closes after the answer instead of draining it.
-        request.protocol.force_close()
-        raise ProxyError(
-            400,
-            "The request body could not be read: it does not decode as its Content-Encoding "
-            "header says (send it uncompressed, or gzip, deflate or br as declared).",
-            code="invalid_encoding",
-        ) from None
+    except (web.RequestPayloadError, ValueError) as exc:
+        raise unreadable_body(exc) from None
+
+
+def unreadable_body(exc: Exception) -> ProxyError:
+    """A body cut short, badly chunked, or not decoding as its Content-Encoding says. aiohttp
+    keeps the parser's own error as the cause of the one the read raises."""
+    if isinstance(exc.__cause__, http_exceptions.ContentEncodingError):
+        message = (
+            "The request body does not decode as its Content-Encoding header says; send "
+            "it uncompressed, or compressed as declared (gzip or deflate)."
+        )
+        code = "invalid_encoding"
+    else:
+        message = (
+            "The request body could not be read: it is cut short or its chunked framing is "
+            "broken; send the whole body, with a Content-Length that matches it or as "
+            "well-formed chunks."
+        )
+        code = "invalid_body_framing"
+    return ProxyError(400, message, code=code, close_connection=True)
+
+
+async def answer_and_close(request: web.Request, response: web.StreamResponse) -> None:
+    """Send `response` at once, then close the connection. After a broken body nothing
+    more on the connection can be read: aiohttp, left to itself, would try to drain the
+    rest after the answer (and log the read's error). Closing it before the answer was
+    sent would lose the answer."""
+    with contextlib.suppress(ConnectionError):
+        await response.prepare(request)
+        await response.write_eof()
+    request.protocol.force_close()

@@ -16,6 +16,7 @@ from rolegate_policy.config import (
 
 from .app import create_app
 from .configmap_source import ConfigMapSource
+from .error_shape import OpenAIErrorRunner
 from .settings import ProxySettings
 from .state import STATE, ProxyState
 
@@ -43,8 +44,9 @@ async def start(
 ) -> RunningProxy:
     app = create_app(settings, config, source)
     # handler_cancellation: a client that disconnects cancels its handler at once, which
-    # closes the upstream connection, so the provider stops generating for nobody.
-    runner = web.AppRunner(
+    # closes the upstream connection, so the provider stops generating for nobody. The
+    # runner answers what the HTTP parser refuses in the OpenAI error shape.
+    runner = OpenAIErrorRunner(
         app,
         handler_cancellation=True,
         access_log=None,

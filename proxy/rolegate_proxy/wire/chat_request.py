@@ -43,11 +43,20 @@ def encode_body(body: dict[str, Any]) -> EncodedBody:
     try:
         return EncodedBody(orjson.dumps(rest))
     except orjson.JSONEncodeError:
-        raise bad_request(
-            f"The request body is nested more than {MAX_NESTING} levels deep; "
-            "flatten it (no chat request needs that many).",
-            code="invalid_body",
-        ) from None
+        raise too_deep() from None
+
+
+def too_deep() -> ProxyError:
+    return bad_request(
+        f"The request body is nested more than {MAX_NESTING} levels deep; "
+        "flatten it (no chat request needs that many).",
+        code="invalid_body",
+    )
+
+
+# orjson's reader refuses JSON nested past 1024 levels, with this message: valid JSON, so
+# "not valid JSON" would not say what to fix.
+_READ_TOO_DEEP = "depth limit exceeded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +97,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if exc.msg == _READ_TOO_DEEP:
+            raise too_deep() from None
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError as bad:

@@ -20,6 +20,7 @@ class ProxyError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -28,6 +29,9 @@ class ProxyError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+        # The rest of the request cannot be read (its body is broken): the connection
+        # cannot carry another request after this answer.
+        self.close_connection = close_connection
 
     def payload(self) -> dict[str, Any]:
         return {
@@ -41,13 +45,16 @@ class ProxyError(Exception):
 
     def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
         headers = {**self.headers, **(extra_headers or {})}
-        return web.Response(
+        response = web.Response(
             status=self.status,
             body=json.dumps(self.payload(), ensure_ascii=False).encode("utf-8"),
             content_type="application/json",
             charset="utf-8",
             headers=headers,
         )
+        if self.close_connection:
+            response.force_close()
+        return response
 
 
 def bad_request(

@@ -1,0 +1,210 @@
+"""Every error the server answers, in the OpenAI error shape (SPEC E2), not aiohttp's text.
+
+Two places make aiohttp's plain-text errors: the router's HTTPExceptions (404, 405, a body
+over the size limit on any route), which `openai_errors`, a middleware, reshapes; and the
+low-level connection handler, which answers what never reached a route (a request the HTTP
+parser refused) and what a handler raised unexpectedly (500). `OpenAIErrorRunner` serves
+the app with a connection handler whose `handle_error` answers in the shape too.
+
+Messages are ours and say what to fix; none echoes request text (a path, a method, a
+header), which is the client's and could be anything.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+
+from aiohttp import hdrs, http_exceptions, web
+from aiohttp.typedefs import Handler, Middleware
+
+from ..wire.errors import ProxyError
+from .calls import body_too_large, unsupported_encoding
+
+log = logging.getLogger("rolegate.proxy")
+
+
+def openai_errors(max_body_bytes: int) -> Middleware:
+    """Reshape the HTTP errors aiohttp raises around the handlers (routing, body size)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            # Redirects and the like are no errors; a JSON body is already an answer.
+            if exc.status < 400 or exc.content_type == "application/json":
+                raise
+            return _reshaped(request, exc, max_body_bytes).response(_kept_headers(exc))
+
+    return middleware
+
+
+def _reshaped(request: web.Request, exc: web.HTTPException, max_body_bytes: int) -> ProxyError:
+    if isinstance(exc, web.HTTPNotFound):
+        return ProxyError(
+            404,
+            f"No such endpoint; check the method and path. rolegate serves {_endpoints(request)}.",
+            code="unknown_url",
+        )
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return ProxyError(
+            405,
+            f"This path does not take that method: it accepts {allowed}. "
+            f"rolegate serves {_endpoints(request)}.",
+            code="method_not_allowed",
+        )
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
+        return body_too_large(max_body_bytes)
+    return _status_error(exc.status)
+
+
+def _endpoints(request: web.Request) -> str:
+    """The app's own routes (our text, never the client's): what a client may call."""
+    routes = request.app.router.routes()
+    # aiohttp adds a HEAD route beside every GET one; naming it adds nothing.
+    return ", ".join(
+        f"{route.method} {route.resource.canonical}"
+        for route in routes
+        if route.resource is not None and route.method != hdrs.METH_HEAD
+    )
+
+
+def _kept_headers(exc: web.HTTPException) -> dict[str, str]:
+    """The exception's headers (Allow on a 405) but those describing its text body."""
+    dropped = {hdrs.CONTENT_TYPE.lower(), hdrs.CONTENT_LENGTH.lower()}
+    return {name: value for name, value in exc.headers.items() if name.lower() not in dropped}
+
+
+def _status_error(status: int) -> ProxyError:
+    """An HTTP error no rule above words: named by its status alone."""
+    phrase = HTTPStatus(status).phrase
+    if status >= 500:
+        return ProxyError(
+            status,
+            f"The proxy could not handle this request ({status} {phrase}); retry it.",
+            error_type="server_error",
+            code="internal_error",
+        )
+    return ProxyError(
+        status, f"The proxy refused this request ({status} {phrase}).", code="invalid_request"
+    )
+
+
+# --- the connection handler -------------------------------------------------------------------
+
+INTERNAL = ProxyError(
+    500,
+    "The proxy failed on this request: a bug in rolegate, not in the request. Retry it; "
+    "the proxy's log has the details.",
+    error_type="server_error",
+    code="internal_error",
+)
+TIMED_OUT = ProxyError(
+    504,
+    "The proxy timed out handling this request; retry it.",
+    error_type="server_error",
+    code="timeout",
+)
+
+# What the parser refused, most specific first (BadHttpMethod is a BadStatusLine). aiohttp's
+# C parser raises these few kinds, and a plain BadHttpMessage for the rest.
+_REQUEST_LINE = (
+    "The request line is malformed; send `METHOD /path HTTP/1.1`, "
+    "e.g. `POST /v1/chat/completions HTTP/1.1`."
+)
+_PARSER_ERRORS: tuple[tuple[type[Exception], str, str], ...] = (
+    (
+        http_exceptions.LineTooLong,
+        "header_too_large",
+        "The request line or a header is over the proxy's size limit; shorten the URL "
+        "or the headers.",
+    ),
+    (
+        http_exceptions.BadHttpMethod,
+        "invalid_request_line",
+        "The request does not start with an HTTP method; send an HTTP/1.1 request such as "
+        "`POST /v1/chat/completions HTTP/1.1` (HTTPS to a plain-HTTP port looks like this).",
+    ),
+    (http_exceptions.BadStatusLine, "invalid_request_line", _REQUEST_LINE),
+    (http_exceptions.InvalidURLError, "invalid_request_line", _REQUEST_LINE),
+)
+_NOT_HTTP = (
+    "The request is not valid HTTP/1.1; check that it has a Host header, that each header "
+    "is `Name: value` with a token name, that there are not too many, and that the body is "
+    "framed by a matching Content-Length or by well-formed chunks (never both)."
+)
+
+
+def _parser_error(exc: BaseException | None) -> ProxyError:
+    if isinstance(exc, http_exceptions.ContentEncodingError):
+        # br or zstd without its library installed: aiohttp refuses it with the headers.
+        return unsupported_encoding()
+    for kind, code, message in _PARSER_ERRORS:
+        if isinstance(exc, kind):
+            return ProxyError(400, message, code=code)
+    return ProxyError(400, _NOT_HTTP, code="invalid_http")
+
+
+def _server_error(status: int) -> ProxyError:
+    return {INTERNAL.status: INTERNAL, TIMED_OUT.status: TIMED_OUT}.get(status) or (
+        _status_error(status)
+    )
+
+
+class _OpenAIErrorHandler(web.RequestHandler):
+    """One connection, whose error answers (the parser's, a handler's crash) are JSON."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:
+            # Our failure: aiohttp's own handling logs the traceback (never the body) and
+            # gives up when the response had begun. Its text answer is replaced below.
+            super().handle_error(request, status, exc, message)
+            error = _server_error(status)
+        else:
+            # The client's malformed request, not our failure: no traceback at ERROR. The
+            # parser's `message` quotes the request's bytes; it stays out of log and answer.
+            log.info(
+                "refused a malformed HTTP request from %s (%s)",
+                request.remote, type(exc).__name__,
+            )  # fmt: skip
+            error = _parser_error(exc)
+        response = error.response()
+        # As aiohttp does: after a parser error the stream's framing is lost.
+        response.force_close()
+        return response
+
+
+class _OpenAIErrorServer(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        # Private API: web.Server builds a plain RequestHandler from `_loop` and `_kwargs`
+        # (the handler settings of AppRunner and the app); ours gets the very same ones.
+        return _OpenAIErrorHandler(self, loop=self._loop, **self._kwargs)
+
+
+class OpenAIErrorRunner(web.AppRunner):
+    """A web.AppRunner whose connections answer protocol errors in the OpenAI shape.
+
+    aiohttp offers no setting for the connection handler's class; `_make_server` (the
+    runner's private hook that builds the server from the app) is the one place to swap
+    it. The server aiohttp built is copied, so every setting it carries is kept.
+    """
+
+    async def _make_server(self) -> web.Server:
+        built = await super()._make_server()
+        return _OpenAIErrorServer(
+            built.request_handler,
+            request_factory=built.request_factory,
+            handler_cancellation=built.handler_cancellation,
+            loop=built._loop,
+            **built._kwargs,
+        )
