@@ -604,6 +604,38 @@ def test_a_released_or_expired_probe_slot_lets_the_next_attempt_probe() -> None:
     assert short.admit("p", "m", None, t2.until + 5).is_probe
 
 
+def test_an_attempt_reaching_a_cooled_machine_reports_its_half_opening_and_probes_alone() -> None:
+    """Issue 12 finding 3: a machine key past its cooldown, reached through `admit_attempt`
+    before any `poll` tick, reports HALF_OPENED there (once), makes that attempt its one
+    probe, and is refused to every other attempt until the probe reports or is released."""
+    breakers = make()
+    breakers.record(status(503, "agg", "m", machine="DeepInfra"), 0.0)
+    (trip,) = breakers.record(status(500, "agg", "m", machine="DeepInfra"), 1.0)
+    assert trip.until is not None
+    key = BreakerKey("agg", "m", "DeepInfra")
+
+    probe = breakers.admit_attempt("agg", "m", ["DeepInfra", "Together"], trip.until)
+    assert probe.allowed
+    assert probe.probes == (key,)
+    assert probe.refused == ()
+    (half,) = probe.transitions
+    assert (half.kind, half.key) == (TransitionKind.HALF_OPENED, key)
+    assert breakers.poll(trip.until) == []  # reported once, where it happened
+
+    other = breakers.admit_attempt("agg", "m", ["DeepInfra", "Together"], trip.until + 0.1)
+    assert other.allowed
+    assert other.refused == ("DeepInfra",)
+    assert other.probes == ()
+    assert other.transitions == ()
+    # Asking only for the machine whose probe is out refuses the attempt outright.
+    assert not breakers.admit_attempt("agg", "m", ["DeepInfra"], trip.until + 0.2).allowed
+
+    breakers.release(probe)
+    again = breakers.admit_attempt("agg", "m", ["DeepInfra"], trip.until + 0.3)
+    assert again.probes == (key,)
+    assert again.transitions == ()
+
+
 def test_the_next_clean_response_closes_the_breaker() -> None:
     breakers = make()
     trip = open_breaker(breakers, empty, 0.0)
