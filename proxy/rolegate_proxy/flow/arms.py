@@ -64,7 +64,6 @@ class ArmRun:
         at: float,
         detail: str,
         *,
-        error: UpstreamError | None = None,
         verdict: Verdict | None = None,
         answer: Answered | None = None,
     ) -> ArmEnd:
@@ -81,9 +80,6 @@ class ArmRun:
             named=self.named is not None,
             first_at=None if watch is None else watch.first_at,
             gaps=GapStats() if watch is None else watch.gaps,
-            status=None if error is None else error.status,
-            error_code=None if error is None else error.code,
-            request_fault=None if error is None else error.request_fault,
             verdict=verdict,
             answer=answer,
             act=self.act,
@@ -91,9 +87,14 @@ class ArmRun:
         )
 
     def failed(self, failure: ArmFailed, at: float) -> ArmEnd:
-        if failure.error is not None and failure.error.machine is not None:
-            self.named = self.named or failure.error.machine
-        end = self.end(failure.cause, at, failure.detail, error=failure.error)
+        error = failure.error
+        if error is not None and error.machine is not None:
+            self.named = self.named or error.machine
+        end = self.end(failure.cause, at, failure.detail)
+        if error is not None:
+            # What is kept of the upstream's error: its status and a known code, never text.
+            end.status, end.error_code = error.status, error.code
+            end.request_fault = error.request_fault
         end.retry_after = parse_retry_after(failure.retry_after, wall_now=time.time())
         return end
 

@@ -28,8 +28,6 @@ from rolegate_policy.config import ProxyConfig
 from ..core.arm_end import Answered, ArmEnd, Cause, RequestFault
 from ..core.breaker import Admission
 from ..core.decisions import Decision
-from ..core.outcomes import OutcomeKind
-from ..core.ranking import expected_cost
 from ..core.routing import Attempt, Candidate, MachineRouting, plan_candidates, routes_machines
 from ..wire.chat_request import ChatRequest
 from .arms import ArmRun, Reply, complete, reply_response, verdict_on
@@ -290,26 +288,9 @@ class Exchange:
 
     def served(self, end: ArmEnd) -> None:
         """The arm whose answer reached the client: recorded, and the request's outcome."""
-        self.record(end)
-        decision = self.decision
-        decision.served_provider = end.provider
-        # The configured model name: bounded label values, and the key scores are kept by.
-        decision.served_model = end.model
-        decision.served_machine = end.machine if end.named or end.direct else None
-        decision.verdict = end.verdict.kind.value if end.verdict is not None else None
-        answer = end.answer
-        if answer is not None:
-            decision.finish_reason = answer.finish_reason
-            decision.tokens_in = answer.prompt_tokens
-            decision.tokens_out = answer.completion_tokens
-            if answer.completion_tokens is None and end.streamed:
-                decision.tokens_out = answer.content_deltas
-                decision.tokens_estimated = True
-        decision.cost_usd = _cost(end, self.config, decision.tokens_in, decision.tokens_out)
-        if end.cause is not Cause.ANSWERED:
-            decision.outcome = OutcomeKind.INCOMPLETE
-        elif decision.first_content_at is None:
-            decision.first_content_at = end.ended_at if end.first_at is None else end.first_at
+        self.services.recorder.served(
+            end, self.decision, self.chat.role.patience_seconds, self.config
+        )
 
     def _capped(self, finish_reason: str | None) -> bool:
         return finish_reason == "length" and not self.chat.client_capped(finish_reason)
@@ -346,17 +327,3 @@ class Exchange:
 
 def _request_fault(end: ArmEnd) -> RequestFault | None:
     return end.request_fault if end.cause is Cause.REJECTED else None
-
-
-def _cost(
-    end: ArmEnd, config: ProxyConfig, tokens_in: int | None, tokens_out: int | None
-) -> float | None:
-    """USD from the serving machine's published prices (the ranking's cost rule)."""
-    provider = config.provider(end.provider)
-    model = provider.model(end.model) if provider is not None else None
-    sheet = next((m for m in model.machines if m.name == end.machine), None) if model else None
-    if sheet is None or tokens_in is None or tokens_out is None:
-        return None
-    return expected_cost(
-        sheet.price_input_per_mtok, sheet.price_output_per_mtok, tokens_in, tokens_out
-    )

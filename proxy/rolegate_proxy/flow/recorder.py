@@ -5,8 +5,9 @@ nowhere else.
   connection pool did (SPEC A5);
 * the ledger: what the arm taught (`core.arm_end.sighting`, SPEC B7), streamed or not;
 * the verdict log and the verdict metrics (SPEC A4, A9);
-* the request's decision: the arm's row (SPEC C8), and the affinity pin of the machine that
-  answered (SPEC B3);
+* the request's decision: the arm's row (SPEC C8); for the arm that served, what was served,
+  its tokens and its cost (through the ranking's cost rule), and the affinity pin of its
+  machine (SPEC B3);
 * the attempt-failure metric.
 
 Synchronous and O(1): no I/O, no await. The outcome channel takes the finished decision
@@ -19,12 +20,16 @@ import logging
 import time
 from collections.abc import Callable
 
+from rolegate_policy.config import ProxyConfig
+
 from ..core.arm_end import ArmEnd, Cause, arm_row, breaker_input, sighting
 from ..core.beliefs import Ledger, MachineKey
 from ..core.breaker import Breakers
 from ..core.chooser import Chooser
 from ..core.decisions import Decision
 from ..core.exclusions import Transition
+from ..core.outcomes import OutcomeKind
+from ..core.ranking import expected_cost
 from ..core.verdicts import VerdictKind, VerdictLog, VerdictRow
 from ..core.watch import Act
 from .metrics import ProxyMetrics
@@ -69,6 +74,28 @@ class Recorder:
             # Affinity (SPEC B3): the machine that answered leads the role's next order.
             self.chooser.answered(decision.role, key)
 
+    def served(self, end: ArmEnd, decision: Decision, patience: float, config: ProxyConfig) -> None:
+        """The arm whose answer reached the client: recorded, and the request's outcome."""
+        self.record(end, decision, patience)
+        decision.served_provider = end.provider
+        # The configured model name: bounded label values, and the key scores are kept by.
+        decision.served_model = end.model
+        decision.served_machine = end.machine if end.named or end.direct else None
+        decision.verdict = end.verdict.kind.value if end.verdict is not None else None
+        answer = end.answer
+        if answer is not None:
+            decision.finish_reason = answer.finish_reason
+            decision.tokens_in = answer.prompt_tokens
+            decision.tokens_out = answer.completion_tokens
+            if answer.completion_tokens is None and end.streamed:
+                decision.tokens_out = answer.content_deltas
+                decision.tokens_estimated = True
+        decision.cost_usd = _cost(end, config, decision.tokens_in, decision.tokens_out)
+        if end.cause is not Cause.ANSWERED:
+            decision.outcome = OutcomeKind.INCOMPLETE
+        elif decision.first_content_at is None:
+            decision.first_content_at = end.ended_at if end.first_at is None else end.first_at
+
     def _verdict(self, end: ArmEnd) -> None:
         verdict = end.verdict
         if verdict is None:
@@ -105,3 +132,17 @@ class Recorder:
                 listener(transition)
         if transitions:
             self.metrics.observe_breakers(self.breakers.snapshot(self.now()))
+
+
+def _cost(
+    end: ArmEnd, config: ProxyConfig, tokens_in: int | None, tokens_out: int | None
+) -> float | None:
+    """USD from the serving machine's published prices (the ranking's cost rule)."""
+    provider = config.provider(end.provider)
+    model = provider.model(end.model) if provider is not None else None
+    sheet = next((m for m in model.machines if m.name == end.machine), None) if model else None
+    if sheet is None or tokens_in is None or tokens_out is None:
+        return None
+    return expected_cost(
+        sheet.price_input_per_mtok, sheet.price_output_per_mtok, tokens_in, tokens_out
+    )

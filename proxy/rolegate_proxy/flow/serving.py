@@ -72,6 +72,9 @@ class _Leg:
 
     run: ArmRun
     opened: OpenedStream | None = None
+    # Its end is recorded (a stream that broke after content): the client leaving while
+    # it is told so ends nothing more.
+    recorded: bool = False
 
 
 class StreamServer:
@@ -355,6 +358,7 @@ class StreamServer:
                       answer=self._answer(client))  # fmt: skip
         end.delivered = True
         self.host.served(end)
+        self.leg.recorded = True
         await client.fail(stop.detail)
         assert client.response is not None
         return client.response
@@ -393,4 +397,6 @@ class StreamServer:
         """The client went away while this leg served it."""
         if self.leg.opened is not None:
             self.leg.opened.close()
+        if self.leg.recorded:
+            return
         self.host.record(self.leg.run.end(Cause.CLIENT_LEFT, self.now(), detail))
