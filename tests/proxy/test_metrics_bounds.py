@@ -7,6 +7,7 @@ large `/metrics` never holds the event loop the proxy shares with this test."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ MODEL = "vendor/model-a"
 CONFIGURED = "configured-machine"
 EVIL = "evil\r\nX-Injected: 1\x00\x1b[31m"
 LAG_PROBE_SECONDS = 0.001
+SCORE_MACHINE = re.compile(rb'^rolegate_operational_score\{[^}\n]*machine="([^"\n]*)"', re.M)
 
 
 async def _answer(request: web.Request) -> web.Response:
@@ -181,6 +183,9 @@ async def _worst_lag_while(work: Callable[[], Awaitable[None]]) -> float:
     return worst
 
 
+# 1,500 requests through the proxy come before the measurement: on a loaded machine they
+# take longer than the suite's default limit.
+@pytest.mark.timeout(240)
 async def test_rendering_a_large_metrics_page_does_not_hold_the_loop(
     proxy_server: ProxyFactory, upstream: str
 ) -> None:
@@ -189,18 +194,28 @@ async def test_rendering_a_large_metrics_page_does_not_hold_the_loop(
     proxy = await _proxy(proxy_server, upstream, metrics_max_machines=2000)
     await _answered_by(proxy, [f"tail-{i:04d}" for i in range(1500)])
     pages: list[bytes] = []
+    took: list[float] = []
+    loop = asyncio.get_running_loop()
 
     async def scrapes() -> None:
         async with aiohttp.ClientSession() as client:
             for _ in range(3):
+                began = loop.time()
                 pages.append(await _metrics(client, proxy))
+                took.append(loop.time() - began)
 
     worst = await _worst_lag_while(scrapes)
 
-    machines = _machine_labels(pages[-1])["rolegate_operational_score"]
+    # A pattern, not the exposition parser: parsing 7 MB in Python takes longer than the
+    # rest of this test.
+    machines = set(SCORE_MACHINE.findall(pages[-1]))
     assert len(machines) >= 1500, len(machines)
-    # Rendered on the loop, this page held it 450-700 ms per scrape; in a worker thread
-    # (with the cycle collector paused) the loop only waits for the interpreter lock,
-    # measured 11-13 ms at most.
+    # Rendered on the loop, the render is one hold: 450-700 ms, nearly all of the scrape.
+    # In a worker thread (the cycle collector paused) the loop only waits for the
+    # interpreter lock: 11-13 ms held in scrapes of several hundred. A ratio, measured in
+    # one run, so a loaded machine slows both sides alike; the figure itself is a bench's.
     sizes = [len(page) for page in pages]
-    assert worst < 0.05, f"the loop was held {worst * 1000:.0f} ms rendering {sizes} bytes"
+    assert worst < min(took) / 4, (
+        f"the loop was held {worst * 1000:.0f} ms in scrapes of "
+        f"{[round(t * 1000) for t in took]} ms rendering {sizes} bytes"
+    )
