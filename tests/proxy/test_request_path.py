@@ -10,6 +10,7 @@ Everything is read back over the proxy's public HTTP surfaces (`/v1/rolegate/dec
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -33,7 +34,6 @@ MODEL = "vendor/model-a"
 OTHER = "vendor/model-b"
 PROMPT: Any = [{"role": "user", "content": "write the next step"}]
 INSTANT = {"ttftSeconds": 0, "tokensPerSecond": 0}
-LONG_REPLY = " ".join(f"t{i}" for i in range(200))
 
 
 async def _decisions(url: str, count: int, within: float = 15.0) -> list[dict[str, Any]]:
@@ -78,39 +78,99 @@ async def _post(session: aiohttp.ClientSession, url: str, **body: Any) -> int:
 # --- 1: a client that leaves is the client's doing ---------------------------------------
 
 
-async def _leave_after_first_content(session: aiohttp.ClientSession, url: str) -> None:
-    payload = {"model": "agent", "messages": PROMPT, "stream": True}
-    async with session.post(f"{url}/v1/chat/completions", json=payload) as response:
-        assert response.status == 200
-        received = b""
-        while b'"content":"t' not in received:
-            received += await response.content.readany()
-        # Gone: the connection is dropped with the answer half read.
-        response.close()
+# A reply many times one read of the proxy's (asyncio reads 256 KiB at a time), sent at
+# once: about 3 MB, still less than loopback's socket buffers hold, so the proxy never
+# waits on a client that reads no more.
+_FLOOD_REPLY = " ".join(f"t{i}" + "x" * 1000 for i in range(3000))
+
+
+class _Leaver(asyncio.Protocol):
+    """A streaming client that leaves once the first content reached it: it shuts its side
+    of the connection (FIN) and reads no more.
+
+    aiohttp takes the FIN for the client gone and closes the transport, but the loss that
+    cancels the handler is reported only on the loop's next turn. While the upstream still
+    floods in, the relay is woken in the turn that sees the FIN (the upstream socket is
+    ready before it) and writes to the closing transport first: the write raises
+    `ClientConnectionResetError` ("Cannot write to closing transport"), an
+    `aiohttp.ClientError` like the upstream's own. (A client that closes outright sends RST,
+    which the proxy's next write meets inside the socket and reports on the next turn
+    instead, so the cancel wins: the FIN held open is the window a real network's round
+    trip opens before the RST comes back.)"""
+
+    def __init__(self, request: bytes) -> None:
+        self._request = request
+        self._received = b""
+        self._transport: asyncio.Transport | None = None
+        self.left: asyncio.Future[asyncio.Transport] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        transport.write(self._request)
+
+    def data_received(self, data: bytes) -> None:
+        if self.left.done() or self._transport is None:
+            return
+        self._received += data
+        if not self._received.startswith(b"HTTP/1.1 200 "):
+            if b"\r\n" in self._received:
+                self.left.set_exception(AssertionError(self._received[:300]))
+            return
+        if b'"content":"t' in self._received:
+            # Gone, in this very callback: the answer is half read, the FIN is on its way.
+            self._transport.pause_reading()
+            self._transport.write_eof()
+            self.left.set_result(self._transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.left.done():
+            self.left.set_exception(
+                AssertionError(f"the proxy closed before any content: {self._received[:300]!r}")
+            )
+
+
+async def _leave_after_first_content(host: str, port: int) -> asyncio.Transport:
+    body = json.dumps({"model": "agent", "messages": PROMPT, "stream": True}).encode()
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    loop = asyncio.get_running_loop()
+    transport, leaver = await loop.create_connection(lambda: _Leaver(request), host, port)
+    try:
+        return await leaver.left
+    except BaseException:
+        transport.close()
+        raise
 
 
 async def test_clients_leaving_mid_stream_never_trip_a_healthy_upstream(
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
     sim = await sim_server(
-        {"seed": 1, "models": [{"name": MODEL, "reply": LONG_REPLY, "machines": [
-            {"name": "m1", "ttftSeconds": 0, "tokensPerSecond": 40}]}]}
+        {"seed": 1, "models": [{"name": MODEL, "reply": _FLOOD_REPLY, "machines": [
+            {"name": "m1", **INSTANT}]}]}
     )  # fmt: skip
     proxy = await proxy_server(
         [
-            machine_policy(sim.url, MODEL, [{"name": "m1", "ttftSeconds": 0.1,
-                                             "tokensPerSecond": 40}]),
+            machine_policy(sim.url, MODEL, [{"name": "m1"}]),
             role_table(role("agent", [MODEL], patience=60)),
         ]
-    )  # fmt: skip
-    leavers = 60
-    async with aiohttp.ClientSession() as session:
-        await asyncio.gather(
-            *(_leave_after_first_content(session, proxy.url) for _ in range(leavers))
-        )
+    )
+    leavers = 3
+    gone: list[asyncio.Transport] = []
+    try:
+        for count in range(1, leavers + 1):
+            gone.append(await _leave_after_first_content(proxy.host, proxy.port))
+            # Each request is over before the next leaves (its connection still half open).
+            await _decisions(proxy.url, count)
+    finally:
+        for transport in gone:
+            transport.close()
     decisions = await _decisions(proxy.url, leavers)
-    assert {(d["outcome"], d["status"]) for d in decisions} == {("cancelled", 499)}
-    assert {a["result"] for d in decisions for a in d["arms"]} == {"cancelled"}
+    assert [(d["outcome"], d["status"]) for d in decisions] == [("cancelled", 499)] * leavers
+    assert [[a["result"] for a in d["arms"]] for d in decisions] == [["cancelled"]] * leavers
     assert _tripped(await _breakers(proxy.url)) == []
     # The upstream is as healthy as it was: every later request is answered.
     async with aiohttp.ClientSession() as session:
