@@ -208,12 +208,17 @@ async def _serve(
     if isinstance(fault, RateLimitFault):
         retry = fault.retry_after_seconds
         headers = () if retry is None else (("Retry-After", str(retry)),)
+        kind = fault.error_type or "rate_limit_error"
         return await _error(
-            request, state, record, 429, fault.message, "rate_limit_error", split, headers
+            request, state, record, 429, fault.message, kind, split, headers, fault.error_code
         )
     if isinstance(fault, ServerErrorFault):
-        kind = "server_error" if fault.status >= 500 else "invalid_request_error"
-        return await _error(request, state, record, fault.status, fault.message, kind, split)
+        kind = fault.error_type or (
+            "server_error" if fault.status >= 500 else "invalid_request_error"
+        )
+        return await _error(
+            request, state, record, fault.status, fault.message, kind, split, (), fault.error_code
+        )
     if isinstance(fault, ResetFault):
         record.finish(Outcome.RESET)
         reset_connection(request)
@@ -298,6 +303,7 @@ async def _error(
     error_type: str,
     split: SplitWritesFault | None = None,
     headers: tuple[tuple[str, str], ...] = (),
+    code: str | None = None,
 ) -> web.StreamResponse:
     record.status = status
     try:
@@ -305,7 +311,7 @@ async def _error(
             request,
             status=status,
             # A machine's own error names it, as every answer does; routing errors do not.
-            body=error_body(status, message, error_type, provider=record.machine),
+            body=error_body(status, message, error_type, provider=record.machine, code=code),
             content_type=state.json_content_type,
             split=split,
             headers=headers,

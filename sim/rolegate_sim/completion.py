@@ -136,7 +136,8 @@ async def send_stream(
             close_connection(request)
             await await_cancellation()
         if isinstance(fault, StreamErrorFault):
-            writer.add(error_event(fault.message, fault.code))
+            code = fault.code if fault.error_code is None else fault.error_code
+            writer.add(error_event(fault.message, code, fault.error_type))
             await writer.finish()
             record.finish(Outcome.STREAM_ERROR)
             return response
@@ -201,7 +202,13 @@ async def send_completion(
         if isinstance(fault, StreamErrorFault):
             status = fault.code if 400 <= fault.code <= 599 else 502
             record.status = status
-            body = error_body(status, fault.message, "server_error", provider=plan.provider[0])
+            body = error_body(
+                status,
+                fault.message,
+                fault.error_type or "server_error",
+                provider=plan.provider[0],
+                code=fault.error_code,
+            )
             response = await send_body(
                 request, status=status, body=body, content_type=plan.content_type, split=plan.split
             )

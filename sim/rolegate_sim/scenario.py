@@ -83,6 +83,10 @@ class RateLimitFault(_FaultBase):
     # HTTP's Retry-After takes whole seconds; omitted means no header at all.
     retry_after_seconds: Annotated[int, Field(ge=0)] | None = None
     message: str = "Rate limit exceeded, please retry later"
+    # The error's `code` and `type` in the body (default: the status, `rate_limit_error`):
+    # what a provider of its own vocabulary sends (OpenAI's `rate_limit_exceeded`).
+    error_code: str | None = None
+    error_type: str | None = None
 
 
 class ServerErrorFault(_FaultBase):
@@ -90,6 +94,10 @@ class ServerErrorFault(_FaultBase):
     # Any error status: 5xx for provider failures, 4xx to simulate a request the upstream rejects.
     status: Annotated[int, Field(ge=400, le=599)] = 503
     message: str = "The upstream provider is temporarily unavailable"
+    # The error's `code` and `type` in the body (default: the status, and `server_error`
+    # for a 5xx, `invalid_request_error` for a 4xx): OpenAI's 401 says `invalid_api_key`.
+    error_code: str | None = None
+    error_type: str | None = None
 
 
 class ResetFault(_FaultBase):
@@ -126,6 +134,10 @@ class StreamErrorFault(_FaultBase):
     after_tokens: Annotated[int, Field(ge=0)] = 1
     message: str = "Upstream provider returned an error mid-stream"
     code: int = 502
+    # The error's `code` as sent (default: `code`) and its `type` (default: none in the
+    # event, `server_error` in a non-streamed body); the HTTP status stays `code`.
+    error_code: str | None = None
+    error_type: str | None = None
 
 
 class EmptyFault(_FaultBase):

@@ -94,15 +94,31 @@ class ChunkEncoder:
         return b"data: " + head + self._break + b'"choices":' + rest + b"\n\n"
 
 
-def error_event(message: str, code: int) -> bytes:
+def error_event(message: str, code: int | str, error_type: str | None = None) -> bytes:
     # OpenRouter's mid-stream error shape: the HTTP status is already 200, so the error
     # travels as a data event and the stream simply ends after it.
-    return b"data: " + dumps({"error": {"message": message, "code": code}}) + b"\n\n"
+    error: dict[str, object] = {"message": message, "code": code}
+    if error_type is not None:
+        error["type"] = error_type
+    return b"data: " + dumps({"error": error}) + b"\n\n"
 
 
-def error_body(status: int, message: str, error_type: str, *, provider: str | None) -> bytes:
-    """OpenAI's error shape; `code` carries the HTTP status as OpenRouter's does."""
-    error = {"message": message, "type": error_type, "param": None, "code": status}
+def error_body(
+    status: int,
+    message: str,
+    error_type: str,
+    *,
+    provider: str | None,
+    code: str | None = None,
+) -> bytes:
+    """OpenAI's error shape; `code` carries the HTTP status as OpenRouter's does, unless a
+    fault names its own (`invalid_api_key`, as OpenAI's does)."""
+    error = {
+        "message": message,
+        "type": error_type,
+        "param": None,
+        "code": status if code is None else code,
+    }
     if provider is None:
         return dumps({"error": error})
     return dumps({"error": error, "provider": provider})

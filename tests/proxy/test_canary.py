@@ -6,13 +6,22 @@ failure on one machine retried on the other, an empty answer on 200, a mangled a
 request nobody could serve, a client that left mid-stream, bad input, and feedback. Then
 every surface is read and searched for the canaries. The same run checks the key did
 reach the provider (so the search is meaningful) and the completion reached the client.
+
+Upstream errors whose text carries the canaries (SPEC A4, C8, E6): a 503, a 401 that
+echoes the key, a 429, an error event mid-stream (and one before any content) and a 400
+that quotes the prompt, each also with an error canary in its text (and in a `code` or
+`type` that is not one of the known set). The simulator is checked to have sent that text;
+the client's error (through the `openai` client and raw) must say what happened in our
+words with the upstream's status and known code, and no surface may carry any of it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +35,10 @@ MODEL = "vendor/model-a"
 PROMPT_CANARY = "canary-prompt-7f3a9c"
 COMPLETION_CANARY = "canary-completion-b41e"
 KEY_CANARY = "sk-canary-key-e9d2"
-CANARIES = (PROMPT_CANARY, COMPLETION_CANARY, KEY_CANARY)
+ERROR_CANARY = "canary-upstream-error-5c1d"
+CANARIES = (PROMPT_CANARY, COMPLETION_CANARY, KEY_CANARY, ERROR_CANARY)
+# What an upstream's error text carries in the error cases.
+ERROR_TEXT_CANARIES = (ERROR_CANARY, PROMPT_CANARY, KEY_CANARY)
 TOKEN = "admin-token-canary"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 MESSAGES: Any = [
@@ -59,6 +71,38 @@ def _policy(url: str) -> dict[str, Any]:
     }
 
 
+def _secrets(tmp_path: Path) -> Path:
+    """The provider's API key, the key canary, as a mounted Secret."""
+    secrets = tmp_path / "secrets"
+    (secrets / "agg-key").mkdir(parents=True)
+    (secrets / "agg-key" / "apiKey").write_text(KEY_CANARY + "\n")
+    return secrets
+
+
+async def _read_surfaces(client: httpx.AsyncClient, proxy_url: str) -> dict[str, str]:
+    """What the proxy serves about its routing: explanations, state and metrics."""
+    return {
+        "decisions": (await client.get(f"{proxy_url}/v1/rolegate/decisions", headers=ADMIN)).text,
+        "state": (await client.get(f"{proxy_url}/v1/rolegate/state", headers=ADMIN)).text,
+        "metrics": (await client.get(f"{proxy_url}/metrics")).text,
+    }
+
+
+def _logs(caplog: pytest.LogCaptureFixture) -> str:
+    """Every log record but the simulator's (it is the upstream, not us)."""
+    return "\n".join(
+        f"{record.name} {record.getMessage()} {record.exc_text or ''}"
+        for record in caplog.records
+        if not record.name.startswith("rolegate.sim")
+    )
+
+
+def _assert_no_canary(surfaces: dict[str, str]) -> None:
+    for surface, text in surfaces.items():
+        for canary in CANARIES:
+            assert canary not in text, f"{canary} leaked into {surface}"
+
+
 async def test_no_prompt_completion_or_key_leaks_into_any_surface(
     sim_server: SimFactory,
     proxy_server: ProxyFactory,
@@ -66,9 +110,7 @@ async def test_no_prompt_completion_or_key_leaks_into_any_surface(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    secrets = tmp_path / "secrets"
-    (secrets / "agg-key").mkdir(parents=True)
-    (secrets / "agg-key" / "apiKey").write_text(KEY_CANARY + "\n")
+    secrets = _secrets(tmp_path)
     export = tmp_path / "outcomes.jsonl"
     reply = f"Here it is: {COMPLETION_CANARY} — done."
     sim = await sim_server(
@@ -131,11 +173,7 @@ async def test_no_prompt_completion_or_key_leaks_into_any_surface(
         )
         assert judged.status_code == 202
         surfaces = {
-            "decisions": (
-                await client.get(f"{proxy.url}/v1/rolegate/decisions", headers=ADMIN)
-            ).text,
-            "state": (await client.get(f"{proxy.url}/v1/rolegate/state", headers=ADMIN)).text,
-            "metrics": (await client.get(f"{proxy.url}/metrics")).text,
+            **await _read_surfaces(client, proxy.url),
             "models": (await client.get(f"{proxy.url}/v1/models")).text,
             "readyz": (await client.get(f"{proxy.url}/readyz")).text,
             "bad-input error": bad.text,
@@ -149,12 +187,148 @@ async def test_no_prompt_completion_or_key_leaks_into_any_surface(
     await asyncio.sleep(0)
     surfaces["export"] = export.read_text(encoding="utf-8")
     assert surfaces["export"].count("\n") == sent
-    surfaces["logs"] = "\n".join(
-        f"{record.name} {record.getMessage()} {record.exc_text or ''}"
-        for record in caplog.records
-        if not record.name.startswith("rolegate.sim")
-    )
-    for surface, text in surfaces.items():
-        for canary in CANARIES:
-            assert canary not in text, f"{canary} leaked into {surface}"
+    surfaces["logs"] = _logs(caplog)
+    _assert_no_canary(surfaces)
     assert "agent" in surfaces["decisions"]  # the surfaces were not empty
+
+
+# --- upstream errors whose text carries the canaries -------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamError:
+    """A fault both machines answer with, and what the client must be told of it."""
+
+    fault: dict[str, Any]
+    stream: bool
+    # The client's HTTP status.
+    status: int
+    # In our words, with the upstream's status and its code when that is a known one: in
+    # the client's error and on the decision row.
+    says: str
+
+
+QUOTED = MESSAGES[1]["content"]
+UPSTREAM_ERRORS = {
+    # The unknown `code` (the canary) is left out; the known `type` is repeated.
+    "server-error-503": UpstreamError(
+        {"kind": "serverError", "status": 503, "errorCode": ERROR_CANARY,
+         "message": f"{ERROR_CANARY}: worker crashed on {QUOTED!r} (key {KEY_CANARY})"},
+        stream=False, status=502, says="answered HTTP 503 (server_error)",
+    ),
+    "unauthorized-401-echoing-the-key": UpstreamError(
+        {"kind": "serverError", "status": 401, "errorCode": "invalid_api_key",
+         "message": f"Incorrect API key provided: {KEY_CANARY}. You can find your API key "
+                    f"at {ERROR_CANARY}; request was {QUOTED!r}"},
+        stream=True, status=502, says="answered HTTP 401 (invalid_api_key)",
+    ),
+    # The unknown `type` (the canary) is left out; the known `code` is repeated.
+    "rate-limit-429": UpstreamError(
+        {"kind": "rateLimit", "retryAfterSeconds": 1, "errorCode": "rate_limit_exceeded",
+         "errorType": ERROR_CANARY,
+         "message": f"{ERROR_CANARY}: rate limit for key {KEY_CANARY} on {PROMPT_CANARY}"},
+        stream=False, status=429, says="answered HTTP 429 (rate_limit_exceeded)",
+    ),
+    # After the first token reached the client: it cannot move, the stream ends in an
+    # error event of ours.
+    "stream-error-mid-stream": UpstreamError(
+        {"kind": "streamError", "afterTokens": 1, "errorCode": "server_error",
+         "errorType": ERROR_CANARY,
+         "message": f"{ERROR_CANARY}: provider died continuing {QUOTED!r} for {KEY_CANARY}"},
+        stream=True, status=200, says="the upstream reported an error mid-stream (server_error)",
+    ),
+    # Before any content: the backup is tried, and fails the same way.
+    "stream-error-before-content": UpstreamError(
+        {"kind": "streamError", "afterTokens": 0, "errorCode": ERROR_CANARY,
+         "message": f"{ERROR_CANARY}: refused {QUOTED!r} for {KEY_CANARY}"},
+        stream=True, status=502, says="an error inside the answer before any content",
+    ),
+    # About the request: handed back to the client, never resent.
+    "bad-request-400-quoting-the-prompt": UpstreamError(
+        {"kind": "serverError", "status": 400,
+         "message": f"Invalid 'messages[1].content': {QUOTED!r} ({ERROR_CANARY}, {KEY_CANARY})"},
+        stream=False, status=400, says="HTTP 400 (invalid_request_error)",
+    ),
+}  # fmt: skip
+
+
+async def _through_openai(proxy_url: str, stream: bool) -> str:
+    """The error the real `openai` client raises (an error status, or an error event in the
+    stream: 200), as its caller sees it: the status, the message and the body it parsed."""
+    async with openai.AsyncOpenAI(base_url=f"{proxy_url}/v1", api_key="x", max_retries=0) as ai:
+
+        async def ask() -> None:
+            if not stream:
+                await ai.chat.completions.create(model="agent", messages=MESSAGES)
+                return
+            chunks = await ai.chat.completions.create(model="agent", messages=MESSAGES, stream=True)
+            async for _ in chunks:
+                pass
+
+        with pytest.raises(openai.APIError) as caught:
+            await ask()
+    error = caught.value
+    status = error.status_code if isinstance(error, openai.APIStatusError) else 200
+    return f"{status} {error} {json.dumps(error.body, ensure_ascii=False)}"
+
+
+async def _raw(proxy_url: str, stream: bool) -> str:
+    """The proxy's answer as bytes on the wire: its status and whole body."""
+    body = {"model": "agent", "messages": MESSAGES, "stream": stream}
+    async with httpx.AsyncClient(timeout=10) as client:
+        answer = await client.post(f"{proxy_url}/v1/chat/completions", json=body)
+    return f"{answer.status_code} {answer.text}"
+
+
+# Each request gets a proxy of its own: the first error trips a breaker (a 401 the whole
+# provider, a 429 until its Retry-After), and a second request would not reach the upstream.
+@pytest.mark.parametrize("via", ["openai", "raw"])
+@pytest.mark.parametrize("case", UPSTREAM_ERRORS.values(), ids=UPSTREAM_ERRORS.keys())
+async def test_no_upstream_error_text_leaks_into_any_surface(
+    sim_server: SimFactory,
+    proxy_server: ProxyFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    case: UpstreamError,
+    via: str,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    fault = {**case.fault, "always": True}
+    sim = await sim_server(
+        {"seed": 1, "models": [{"name": MODEL, "machines": [
+            {"name": "good", "faults": [fault]}, {"name": "backup", "faults": [fault]}]}]}
+    )  # fmt: skip
+    export = tmp_path / "outcomes.jsonl"
+    proxy = await proxy_server(
+        [_policy(sim.url), role_table(role("agent", [MODEL], patience=20))],
+        secrets_dir=_secrets(tmp_path),
+        outcome_export=str(export),
+        admin_token=TOKEN,
+    )
+    async with httpx.AsyncClient(timeout=10) as client:
+        # The simulator does put the canaries in its error (asked directly, with no key).
+        body = {"model": MODEL, "messages": MESSAGES, "stream": case.stream}
+        direct = await client.post(f"{sim.url}/v1/chat/completions", json=body)
+        for canary in ERROR_TEXT_CANARIES:
+            assert canary in direct.text, f"the simulator's error does not carry {canary}"
+        told = await (_through_openai if via == "openai" else _raw)(proxy.url, case.stream)
+        await outcomes(proxy, 1)
+        surfaces = await _read_surfaces(client, proxy.url)
+        records = (await client.get(f"{sim.url}/_sim/requests")).json()
+    # The request reached the simulator with the key, and met the fault there.
+    fingerprint = hashlib.sha256(KEY_CANARY.encode()).hexdigest()[:12]
+    proxied = [record for record in records if record["bearer_sha256"] == fingerprint]
+    assert proxied
+    assert len(proxied) == len(records) - 1  # the other one is the direct request
+    assert {record["fault"] for record in proxied} == {fault["kind"]}
+    await proxy.stop()  # flushes the exporter
+    await asyncio.sleep(0)
+    surfaces["export"] = export.read_text(encoding="utf-8")
+    assert surfaces["export"].count("\n") == 1
+    surfaces["logs"] = _logs(caplog)
+    _assert_no_canary({f"client error ({via})": told, **surfaces})
+    # The client is told what happened, in our words, with the upstream's status and known
+    # code; the decision row says the same.
+    assert told.startswith(f"{case.status} "), told
+    assert case.says in told, told
+    assert case.says in surfaces["decisions"]

@@ -87,6 +87,51 @@ async def test_server_error_status(
         assert reply.json()["error"]["code"] == status
 
 
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize(
+    ("fault", "status"),
+    [
+        (always("serverError", status=401, errorCode="invalid_api_key"), 401),
+        (always("rateLimit", errorCode="rate_limit_exceeded"), 429),
+    ],
+)
+async def test_an_error_carries_the_message_code_and_type_it_is_given(
+    start_sim: StartSim,
+    http: aiohttp.ClientSession,
+    fault: dict[str, Any],
+    status: int,
+    stream: bool,
+) -> None:
+    text = "Incorrect API key provided: sk-echoed — for “café”"
+    given = {**fault, "message": text, "errorType": "vendor_error"}
+    url = await one_machine(start_sim, given)
+    reply = await chat(http, url, body(stream=stream))
+    assert reply.status == status
+    assert reply.json()["error"] == {
+        "message": text, "type": "vendor_error", "param": None, "code": fault["errorCode"]
+    }  # fmt: skip
+    # The control endpoint writes them back as a scenario would.
+    async with http.get(f"{url}/_sim/machines/{MODEL}/a/faults") as faults:
+        assert (await faults.json())[0]["errorCode"] == fault["errorCode"]
+
+
+async def test_a_stream_error_carries_the_code_and_type_it_is_given(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    fault = always(
+        "streamError", afterTokens=1, message="boom", errorCode="server_error", errorType="x"
+    )
+    url = await one_machine(start_sim, fault)
+    reply = await chat(http, url, body(stream=True))
+    assert reply.events[-1] == {"error": {"message": "boom", "code": "server_error", "type": "x"}}
+    # Not streamed: an HTTP error with the fault's `code` as its status.
+    plain = await chat(http, url, body())
+    assert plain.status == 502
+    assert plain.json()["error"] == {
+        "message": "boom", "type": "x", "param": None, "code": "server_error"
+    }  # fmt: skip
+
+
 async def test_the_openai_client_sees_a_rate_limit_error(start_sim: StartSim) -> None:
     url = await one_machine(start_sim, always("rateLimit", retryAfterSeconds=1))
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
