@@ -78,6 +78,17 @@ def machine_policy(
     }
 
 
+async def one_machine_sim(
+    sim_server: SimFactory, model: str, *, reply: str, tokens_per_second: float
+) -> RunningSim:
+    """A simulator with one machine, `m1`, of `model`: no time to the first token, then
+    `tokens_per_second`."""
+    machine = {"name": "m1", "ttftSeconds": 0, "tokensPerSecond": tokens_per_second}
+    return await sim_server(
+        {"seed": 1, "models": [{"name": model, "reply": reply, "machines": [machine]}]}
+    )
+
+
 async def state_belief(proxy_url: str, machine: str) -> dict[str, Any]:
     """One machine's belief, as the proxy's public state endpoint shows it."""
     async with httpx.AsyncClient() as client:

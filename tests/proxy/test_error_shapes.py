@@ -24,7 +24,7 @@ import pytest
 
 from rolegate_proxy.edge import app as proxy_app
 
-from ..support import ProxyFactory, SimFactory, provider_policy, role, role_table
+from ..support import ProxyFactory, SimFactory, one_machine_sim, provider_policy, role, role_table
 
 MODEL = "vendor/model-a"
 GOOD = {"model": "agent", "messages": [{"role": "user", "content": "hi"}]}
@@ -37,18 +37,7 @@ MARKER = "zq7marker"
 
 @pytest.fixture
 async def proxy_url(sim_server: SimFactory, proxy_server: ProxyFactory) -> str:
-    sim = await sim_server(
-        {
-            "seed": 1,
-            "models": [
-                {
-                    "name": MODEL,
-                    "reply": "one two three",
-                    "machines": [{"name": "m1", "ttftSeconds": 0, "tokensPerSecond": 500}],
-                }
-            ],
-        }
-    )
+    sim = await one_machine_sim(sim_server, MODEL, reply="one two three", tokens_per_second=500)
     proxy = await proxy_server(
         [
             provider_policy("agg", f"{sim.url}/v1", {MODEL: ["m1"]}),

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ..support import ProxyFactory, SimFactory, provider_policy, role, role_table
+from ..support import ProxyFactory, SimFactory, one_machine_sim, provider_policy, role, role_table
 
 MODEL = "vendor/model-a"
 REPLY = "one two three four five six seven eight nine ten " * 3
@@ -18,18 +18,7 @@ GOOD = {"model": "agent", "messages": [{"role": "user", "content": "hi"}]}
 
 @pytest.fixture
 async def proxy_url(sim_server: SimFactory, proxy_server: ProxyFactory) -> str:
-    sim = await sim_server(
-        {
-            "seed": 1,
-            "models": [
-                {
-                    "name": MODEL,
-                    "reply": REPLY,
-                    "machines": [{"name": "m1", "ttftSeconds": 0, "tokensPerSecond": 150}],
-                }
-            ],
-        }
-    )
+    sim = await one_machine_sim(sim_server, MODEL, reply=REPLY, tokens_per_second=150)
     proxy = await proxy_server(
         [
             provider_policy("agg", f"{sim.url}/v1", {MODEL: ["m1"]}),
