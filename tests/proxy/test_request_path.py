@@ -18,6 +18,8 @@ import httpx
 import openai
 import pytest
 
+from rolegate_proxy.core.beliefs import MachineKey
+
 from ..support import (
     ProxyFactory,
     SimFactory,
@@ -178,6 +180,50 @@ async def test_clients_leaving_mid_stream_never_trip_a_healthy_upstream(
             *(_post(session, proxy.url, max_tokens=3) for _ in range(20))
         )
     assert statuses == [200] * 20
+
+
+async def test_a_stream_the_proxy_stops_for_is_the_shutdowns_not_the_upstreams(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    """A stream still open when the grace period ends is cancelled by the shutdown: the
+    arm's end says so (not \"the client went away\"), it teaches the ledger what it
+    showed, and no breaker is charged."""
+    reply = " ".join(f"w{i}" for i in range(400))
+    sim = await sim_server(
+        {"seed": 1, "models": [{"name": MODEL, "reply": reply, "machines": [
+            {"name": "m1", "ttftSeconds": 0, "tokensPerSecond": 20}]}]}
+    )  # fmt: skip
+    proxy = await proxy_server(
+        [
+            machine_policy(sim.url, MODEL, [{"name": "m1", "ttftSeconds": 0.1,
+                                             "tokensPerSecond": 20}]),
+            role_table(role("agent", [MODEL], patience=60)),
+        ],
+        shutdown_grace_seconds=0.2,
+    )  # fmt: skip
+    payload = {"model": "agent", "messages": PROMPT, "stream": True}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{proxy.url}/v1/chat/completions", json=payload) as response,
+    ):
+        assert response.status == 200
+        received = b""
+        while b'"content":"w' not in received:
+            received += await response.content.readany()
+        await proxy.stop()
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.content.read()  # the rest never comes: the stream is cut
+    (outcome,) = proxy.state.decisions.recent()
+    assert (outcome.outcome.value, outcome.status) == ("cancelled", 499)
+    ((result, detail),) = [(arm.result.value, arm.detail) for arm in outcome.arms]
+    assert result == "cancelled"
+    assert detail == "the proxy shut down mid-stream"
+    dispatcher = proxy.state.dispatcher
+    belief = dispatcher.ledger.belief_of(MachineKey("agg", MODEL, "m1"), dispatcher.now())
+    assert belief is not None
+    assert belief.sightings == 1
+    assert [b.key for b in dispatcher.breakers.snapshot(dispatcher.now())
+            if b.state.value != "Closed"] == []  # fmt: skip
 
 
 # --- 2: the complete answer is the end of the request ------------------------------------

@@ -84,7 +84,7 @@ UPSTREAM_FAULTS: Final = frozenset(
 # Ended by us or by the client before it could answer: the wait is a lower bound on its
 # time to first token (a censored sighting).
 _CENSORING: Final = frozenset(
-    {Cause.CLIENT_LEFT, Cause.RACE_LOST, Cause.MOVED, Cause.DEADLINE, Cause.STALL}
+    {Cause.CLIENT_LEFT, Cause.SHUTDOWN, Cause.RACE_LOST, Cause.MOVED, Cause.DEADLINE, Cause.STALL}
 )
 _TRANSPORT_OF: Final = {
     Cause.REFUSED: TransportFault.CONNECTION_FAILED,

@@ -50,6 +50,7 @@ def create_app(
     app.cleanup_ctx.append(_key_refresher)
     app.cleanup_ctx.append(_breaker_clock)
     app.cleanup_ctx.append(_outcome_drain)
+    app.on_shutdown.append(_shutting_down)
     if source is not None:
         app.cleanup_ctx.append(_config_watch)
         # In a cluster (the configuration comes from the API server), breaker state goes
@@ -64,6 +65,12 @@ def create_app(
     app.router.add_get("/v1/rolegate/state", explain.state)
     app.router.add_post("/v1/feedback", explain.feedback)
     return app
+
+
+async def _shutting_down(app: web.Application) -> None:
+    # Runs before the server cancels the handlers still open after the grace period: the
+    # arms those cancellations end are the shutdown's, not their clients'.
+    app[STATE].dispatcher.shutting_down = True
 
 
 async def _upstream_session(app: web.Application) -> AsyncIterator[None]:

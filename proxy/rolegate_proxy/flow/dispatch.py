@@ -17,6 +17,7 @@ from aiohttp import web
 
 from rolegate_policy.config import ProxyConfig
 
+from ..core.arm_end import Cause
 from ..core.beliefs import Ledger
 from ..core.breaker import Breakers
 from ..core.chooser import Chooser
@@ -48,6 +49,9 @@ class Dispatcher:
     recorder: Recorder = field(init=False)
     # Set when the app's upstream sessions start.
     upstreams: Upstreams | None = None
+    # Set when the proxy begins to shut down: from then on an arm cancelled under a request
+    # was ended by the shutdown, not by its client.
+    shutting_down: bool = False
 
     def __post_init__(self) -> None:
         self.chooser = Chooser(
@@ -65,6 +69,9 @@ class Dispatcher:
     def now(self) -> float:
         return time.monotonic()
 
+    def _cancelled_by(self) -> Cause:
+        return Cause.SHUTDOWN if self.shutting_down else Cause.CLIENT_LEFT
+
     def on_transition(self, transition: Transition) -> None:
         self.recorder.transitions([transition])
 
@@ -78,7 +85,8 @@ class Dispatcher:
     ) -> web.StreamResponse:
         assert self.upstreams is not None, "the upstream sessions start with the app"
         services = Services(
-            self.chooser, self.breakers, self.recorder, self.upstreams, self.rng.random, self.now
-        )
+            self.chooser, self.breakers, self.recorder, self.upstreams, self.rng.random, self.now,
+            self._cancelled_by,
+        )  # fmt: skip
         exchange = Exchange(services, request, chat, config, decision, headers)
         return await exchange.run()

@@ -244,9 +244,9 @@ class Exchange:
             self.fail(run.failed(failure, self.services.now()))
             return None
         except asyncio.CancelledError:
-            # The client left while the upstream worked: the wait still teaches (B7).
-            self.record(run.end(Cause.CLIENT_LEFT, self.services.now(),
-                                "the client went away before the answer"))  # fmt: skip
+            # The client left (or we shut down) while the upstream worked: the wait still
+            # teaches (B7).
+            self.record(self.services.cancelled(run, "before the answer"))
             raise
         return self._answered(run, reply)
 

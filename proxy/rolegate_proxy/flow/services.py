@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..core.arm_end import ArmEnd, Cause
 from ..core.breaker import Breakers
 from ..core.chooser import Chooser
 from .arms import ArmRun
@@ -21,6 +22,14 @@ class Services:
     # Uniform on [0, 1): the backoff's jitter.
     draw: Callable[[], float]
     now: Callable[[], float]
+    # Who ended an arm cancelled under its request: the client, or the proxy shutting down.
+    cancelled_by: Callable[[], Cause]
+
+    def cancelled(self, run: ArmRun, when: str) -> ArmEnd:
+        """`run`, ended by the cancellation of its request `when` (\"before the answer\")."""
+        cause = self.cancelled_by()
+        who = "the proxy shut down" if cause is Cause.SHUTDOWN else "the client went away"
+        return run.end(cause, self.now(), f"{who} {when}")
 
 
 def served_headers(run: ArmRun, model_named: str | None) -> dict[str, str]:

@@ -103,11 +103,12 @@ class StreamServer:
             self.host.decision.first_content_at = self.now()
             return await self._relay(client)
         except ClientGone:
-            self._left("the client went away mid-stream")
+            self._left(self.leg.run.end(Cause.CLIENT_LEFT, self.now(),
+                                        "the client went away mid-stream"))  # fmt: skip
             self.host.decision.outcome = OutcomeKind.CANCELLED
             return client.response
         except asyncio.CancelledError:
-            self._left("the client went away mid-stream")
+            self._left(self.services.cancelled(self.leg.run, "mid-stream"))
             raise
 
     # -- arms ---------------------------------------------------------------------------
@@ -191,10 +192,10 @@ class StreamServer:
             return await self._race(first, rival, act)
         except asyncio.CancelledError:
             first.cancel()
-            # The client left before the first token: each wait still teaches (B7).
+            # The client left (or we shut down) before the first token: each wait still
+            # teaches (B7).
             for waiting in self.waiting:
-                detail = "the client went away before the first token"
-                self.host.record(waiting.end(Cause.CLIENT_LEFT, self.now(), detail))
+                self.host.record(self.services.cancelled(waiting, "before the first token"))
             raise
         finally:
             self.waiting.clear()
@@ -393,10 +394,9 @@ class StreamServer:
         assert onward.watch is not None
         return Relay(opened, client, onward.watch, onward.silence, self.now, may_move=False)
 
-    def _left(self, detail: str) -> None:
-        """The client went away while this leg served it."""
+    def _left(self, end: ArmEnd) -> None:
+        """The client went away (or we shut down) while this leg served it."""
         if self.leg.opened is not None:
             self.leg.opened.close()
-        if self.leg.recorded:
-            return
-        self.host.record(self.leg.run.end(Cause.CLIENT_LEFT, self.now(), detail))
+        if not self.leg.recorded:
+            self.host.record(end)
