@@ -12,9 +12,11 @@ spelled on the wire is the dialect's business (`wire/aggregator.py`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from types import MappingProxyType
+from typing import Final
 
 from rolegate_policy.config import (
     CompiledModel,
@@ -24,11 +26,16 @@ from rolegate_policy.config import (
 )
 from rolegate_policy.enums import Dialect, Ruling
 
+# Whether a dialect's provider routes among machines itself (an aggregator), steered by a
+# routing in the request, rather than being its one machine: the routing topology half of
+# a dialect (the wire protocol is the other half, `wire/dialects.py`).
+ROUTES_MACHINES: Final[Mapping[Dialect, bool]] = MappingProxyType(
+    {Dialect.OPENAI: False, Dialect.AGGREGATOR: True}
+)
+
 
 def routes_machines(provider: CompiledProvider) -> bool:
-    """Whether the provider routes among machines itself (an aggregator), steered by a
-    routing in the request, rather than being its one machine."""
-    return provider.dialect is Dialect.AGGREGATOR
+    return ROUTES_MACHINES[provider.dialect]
 
 
 class RoutingKind(StrEnum):

@@ -22,9 +22,9 @@ from ..core.outcomes import ArmAct
 from ..core.routing import Attempt
 from ..core.verdicts import Verdict, judge
 from ..core.watch import Watch
-from ..wire import openai
+from ..wire.answers import Completion, NotTheProtocol, UpstreamError
 from ..wire.chat_request import ChatRequest
-from ..wire.openai import Completion, NotTheProtocol, UpstreamError
+from ..wire.dialects import WIRE, WireProtocol
 from .stream import OpenedStream, hold_until_content, reads
 from .upstream import (
     TRANSPORT_ERRORS,
@@ -57,6 +57,11 @@ class ArmRun:
     @property
     def machine(self) -> str | None:
         return self.named or self.attempt.presumed_machine
+
+    @property
+    def wire(self) -> WireProtocol:
+        """How this arm's provider is spoken to and read."""
+        return WIRE[self.attempt.provider.dialect]
 
     def end(
         self,
@@ -106,7 +111,7 @@ async def post(
     response = await send(upstreams, run.attempt, chat, run.silence, fresh=fresh)
     if response.status != 200:
         try:
-            raise await failed_with_status(response, named=run.attempt.is_aggregator)
+            raise await failed_with_status(response, run.wire, named=run.attempt.is_aggregator)
         finally:
             response.release()
     return response
@@ -132,7 +137,7 @@ async def complete(upstreams: Upstreams, run: ArmRun, chat: ChatRequest, *, fres
     finally:
         response.release()
     try:
-        parsed = openai.parse_completion(raw, named=run.attempt.is_aggregator)
+        parsed = run.wire.parse_completion(raw, named=run.attempt.is_aggregator)
     except NotTheProtocol as problem:
         raise ArmFailed(Cause.MALFORMED, f"answered 200 with a body that is {problem}") from None
     if isinstance(parsed, UpstreamError):
@@ -166,7 +171,7 @@ async def open_stream(
         hooks.missing_charset()
     opened = OpenedStream(
         response,
-        reads(response, named=run.attempt.is_aggregator, on_malformed=hooks.malformed),
+        reads(response, run.wire, named=run.attempt.is_aggregator, on_malformed=hooks.malformed),
         [],
         0.0,
     )

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from ..wire.openai import Chunk
+from ..wire.answers import Chunk
 from ..wire.sse import encode_event
 
 DONE = b"data: [DONE]\n\n"

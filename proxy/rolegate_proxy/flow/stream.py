@@ -19,8 +19,8 @@ import aiohttp
 
 from ..core.arm_end import Cause
 from ..core.watch import Act, Watch
-from ..wire import openai
-from ..wire.openai import Chunk
+from ..wire.answers import Chunk
+from ..wire.dialects import WireProtocol
 from ..wire.sse import Event, EventFramer, MalformedEvent, decode_event_json
 from .client_stream import ClientStream
 from .upstream import TRANSPORT_ERRORS, ArmFailed, Silence, failed_in_transport
@@ -30,7 +30,11 @@ Clock = Callable[[], float]
 
 
 async def reads(
-    response: aiohttp.ClientResponse, *, named: bool, on_malformed: Callable[[], None]
+    response: aiohttp.ClientResponse,
+    wire: WireProtocol,
+    *,
+    named: bool,
+    on_malformed: Callable[[], None],
 ) -> AsyncIterator[list[Item]]:
     """Per network read, the complete events it finished: comments and [DONE] as they are,
     data events decoded. A malformed event is skipped and counted (SPEC E4)."""
@@ -46,7 +50,7 @@ async def reads(
             except MalformedEvent:
                 on_malformed()
                 continue
-            items.append(openai.read_chunk(payload, event.raw, named=named))
+            items.append(wire.read_chunk(payload, event.raw, named=named))
         if items:
             yield items
 

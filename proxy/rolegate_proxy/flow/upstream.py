@@ -5,7 +5,8 @@ headers are in. A pooled keep-alive connection the upstream had already closed f
 before any header arrives; that is nobody's fault (`StaleConnection`): the caller records
 it and sends again on a fresh connection, once. Redirects are never followed (they would
 carry the prompt to another host). Every failure is an `ArmFailed` with its cause (see
-core/arm_end.py) and, for an error answer, the error as `wire.openai` reads it.
+core/arm_end.py) and, for an error answer, the error as the provider's wire protocol
+reads it (`wire/dialects.py`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from rolegate_policy.config import SecretRef
 
 from ..core.arm_end import Cause
 from ..core.routing import Attempt
-from ..wire import openai
+from ..wire.answers import UpstreamError
 from ..wire.chat_request import ChatRequest
-from ..wire.openai import UpstreamError
+from ..wire.dialects import WIRE, WireProtocol
 
 # What a failed read or write of an upstream's answer raises.
 TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
@@ -138,11 +139,12 @@ async def send(
         sock_read=silence.seconds,
     )  # fmt: skip
     reuse = _Reuse()
+    wire = WIRE[attempt.provider.dialect]
     try:
         return await session.post(
-            openai.chat_url(attempt.provider.endpoint),
-            data=openai.request_body(chat.encoded, attempt.model.name, attempt.routing),
-            headers=openai.request_headers(key, stream=chat.stream),
+            wire.chat_url(attempt.provider.endpoint),
+            data=wire.request_body(chat.encoded, attempt.model.name, attempt.routing),
+            headers=wire.request_headers(key, stream=chat.stream),
             timeout=timeout,
             allow_redirects=False,
             trace_request_ctx=reuse,
@@ -182,13 +184,15 @@ def failed_in_transport(
     return ArmFailed(Cause.CUT, "the answer was cut off before its end")
 
 
-async def failed_with_status(response: aiohttp.ClientResponse, *, named: bool) -> ArmFailed:
+async def failed_with_status(
+    response: aiohttp.ClientResponse, wire: WireProtocol, *, named: bool
+) -> ArmFailed:
     """An error status: its body is read (bounded) to classify it, then dropped."""
     try:
         body = await response.content.read(64 * 1024)
     except TRANSPORT_ERRORS:
         body = b""
-    error = openai.parse_error(response.status, body, named=named)
+    error = wire.parse_error(response.status, body, named=named)
     cause = Cause.REJECTED if error.request_fault is not None else Cause.HTTP_ERROR
     return ArmFailed(
         cause, f"answered {error.describe()}", error=error,

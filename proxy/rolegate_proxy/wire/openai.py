@@ -12,7 +12,6 @@ the key, goes no further than this module.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Final
 
 import orjson
@@ -21,6 +20,7 @@ from ..core.arm_end import RequestFault
 from ..core.exclusions import is_request_fault
 from ..core.routing import MachineRouting
 from .aggregator import provider_field
+from .answers import Chunk, Completion, NotTheProtocol, UpstreamError
 from .chat_request import EncodedBody
 from .names import upstream_name
 
@@ -53,24 +53,6 @@ _FILTER_MARKERS: Final = (
 # OpenRouter's answer when no machine is left for the model under the routing it was sent:
 # about the candidate, not the request.
 _UNROUTABLE_MARKERS: Final = ("no endpoints found",)
-
-
-@dataclass(frozen=True, slots=True)
-class UpstreamError:
-    """An error answer in our terms (never its message text)."""
-
-    # The HTTP status; None for an error inside a 200 body or a stream.
-    status: int | None
-    code: str | None = None
-    request_fault: RequestFault | None = None
-    # An aggregator had no machine left under our routing: the next model may answer.
-    unroutable: bool = False
-    machine: str | None = None
-
-    def describe(self) -> str:
-        """In our words: `HTTP 503 (server_error)`, `an error event`."""
-        head = f"HTTP {self.status}" if self.status is not None else "an error inside the answer"
-        return f"{head} ({self.code})" if self.code else head
 
 
 def parse_error(status: int | None, body: bytes | dict[str, Any], *, named: bool) -> UpstreamError:
@@ -151,23 +133,6 @@ def request_headers(key: str | None, *, stream: bool) -> dict[str, str]:
 # --- answers -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """A non-streamed answer: its text (kept only until it is judged) and its facts."""
-
-    text: str
-    finish_reason: str | None
-    has_tool_calls: bool
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    model: str | None
-    machine: str | None
-
-
-class NotTheProtocol(ValueError):
-    """A 200 body that is not a chat completion (not UTF-8 JSON, or without `choices`)."""
-
-
 def parse_completion(raw: bytes, *, named: bool) -> Completion | UpstreamError:
     """A 200 body: the completion, or the error object it carries instead. Raises
     NotTheProtocol for anything else. Decoded as UTF-8 whatever the Content-Type says."""
@@ -195,27 +160,6 @@ def parse_completion(raw: bytes, *, named: bool) -> Completion | UpstreamError:
         model=upstream_name(payload.get("model")),
         machine=upstream_name(payload.get("provider")) if named else None,
     )
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """What one decoded stream event says, beside the raw bytes that are forwarded."""
-
-    raw: bytes
-    # The text of its content deltas (kept only until the answer is judged).
-    content: str
-    # Content, a tool call or reasoning: something a client shows.
-    has_content: bool
-    # Content or a tool call: an answer, as opposed to reasoning only.
-    has_output: bool
-    has_tool_calls: bool
-    finish_reason: str | None
-    prompt_tokens: int | None
-    completion_tokens: int | None
-    has_usage: bool
-    model: str | None
-    machine: str | None
-    error: UpstreamError | None
 
 
 def read_chunk(payload: dict[str, Any], raw: bytes, *, named: bool) -> Chunk:
