@@ -26,6 +26,7 @@ from ..support import (
 from ..waiting import eventually
 
 MODEL = "vendor/model-a"
+OTHER = "vendor/model-b"
 TOKEN = "admin-token-for-tests"
 ADMIN = {"Authorization": f"Bearer {TOKEN}"}
 ASK: dict[str, Any] = {"model": "agent", "messages": [{"role": "user", "content": "hi"}]}
@@ -358,3 +359,62 @@ async def test_closed_loop_control_without_a_tolerance_the_traffic_flips_at_once
     assert switch > 0
     assert firsts[:switch] == ["cheap"] * switch
     assert firsts[switch:] == ["dear"] * (300 - switch)
+
+
+async def test_mangled_answers_never_enter_the_operational_score(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    """SPEC A5: a mangled answer is the breaker's business, never the score's, whether it
+    was caught before the client saw it (not streamed: the next machine served) or
+    delivered (streamed, its only machine). The machine that answered clean is scored."""
+    mangling = {"name": "m1", "faults": [{"kind": "mojibake", "always": True}]}
+    sim = await sim_server(
+        {"seed": 1, "models": [
+            {"name": MODEL, "reply": "It\u2019s done \u2014 caf\u00e9", "machines": [
+                mangling, {"name": "m2"}]},
+            {"name": OTHER, "reply": "It\u2019s done \u2014 caf\u00e9", "machines": [mangling]},
+        ]}
+    )  # fmt: skip
+    # m1 leads on the sheet, so the backed role tries it first.
+    sheets = [
+        {"name": "m1", "ttftSeconds": 0.05, "tokensPerSecond": 200},
+        {"name": "m2", "ttftSeconds": 0.1, "tokensPerSecond": 100},
+    ]
+    policy = provider_policy("agg", f"{sim.url}/v1", {MODEL: [], OTHER: ["m1"]})
+    policy["spec"]["models"][0]["machines"] = sheets
+    proxy = await proxy_server(
+        [policy, role_table(role("backed", [MODEL]), role("alone", [OTHER]))],
+        admin_token=TOKEN,
+    )
+    ascii_prompt: Any = [{"role": "user", "content": "say it"}]
+    async with openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0) as api:
+        backed = await api.chat.completions.create(model="backed", messages=ascii_prompt)
+        assert backed.choices[0].message.content == "It\u2019s done \u2014 caf\u00e9"
+        chunks = await api.chat.completions.create(
+            model="alone", messages=ascii_prompt, stream=True
+        )
+        delivered = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+        assert delivered != "It\u2019s done \u2014 caf\u00e9"  # the mangled text, delivered
+
+    records = await outcomes(proxy, 2)
+    assert [[(arm.machine, arm.result.value) for arm in r.arms] for r in records] == [
+        [("m1", "degraded"), ("m2", "ok")],
+        [("m1", "degraded")],
+    ]
+    async with httpx.AsyncClient() as client:
+
+        async def scored() -> dict[str, Any] | None:
+            state = await _state(client, proxy.url)
+            return (
+                state
+                if state["outcomes"]["emitted"] == 2
+                and any(
+                    row["machine"] == "m2" and row["operational"]["n"] == 1
+                    for row in state["scores"]
+                )
+                else None
+            )
+
+        state = await eventually(scored, what="the clean answer scored")
+    observed = {(row["model"], row["machine"]): row["operational"]["n"] for row in state["scores"]}
+    assert observed == {(MODEL, "m1"): 0, (MODEL, "m2"): 1, (OTHER, "m1"): 0}

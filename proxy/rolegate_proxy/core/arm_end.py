@@ -270,6 +270,11 @@ _RESULT_OF: Final = {
 def arm_result(end: ArmEnd, patience: float) -> ArmResult:
     """The arm's result, as the record and the operational score read it (SPEC C1)."""
     if end.cause is Cause.ANSWERED:
+        verdict = end.verdict
+        if verdict is not None and verdict.kind is VerdictKind.MANGLED and verdict.attributable:
+            # Served (a stream delivers before it can be judged), but mangled by the model:
+            # the breaker's business, never the score's (SPEC A5).
+            return ArmResult.DEGRADED
         if end.answer is not None and end.answer.capped_by_upstream:
             return ArmResult.LENGTH_CAPPED
         return ArmResult.LATE if end.seconds > patience else ArmResult.OK
