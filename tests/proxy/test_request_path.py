@@ -226,6 +226,36 @@ async def test_a_stream_the_proxy_stops_for_is_the_shutdowns_not_the_upstreams(
             if b.state.value != "Closed"] == []  # fmt: skip
 
 
+# --- affinity (SPEC B3) -------------------------------------------------------------------
+
+
+async def test_the_machine_that_answered_leads_the_roles_next_request(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    """m1 leads on the sheet; the aggregator finds it down once and serves from m2. From
+    then on m2 leads the role's order (the pin) although m1 is faster on paper and up."""
+    sim = await sim_server(
+        {"seed": 1, "models": [{"name": MODEL, "machines": [
+            {"name": "m1", **INSTANT, "faults": [{"kind": "down", "schedule": [1]}]},
+            {"name": "m2", **INSTANT}]}]}
+    )  # fmt: skip
+    sheets = [
+        {"name": "m1", "ttftSeconds": 0.05, "tokensPerSecond": 200},
+        {"name": "m2", "ttftSeconds": 0.2, "tokensPerSecond": 50},
+    ]
+    # A wide tolerance: one clean answer of m2 never puts m1 a quality tier behind it, so
+    # only the pin can put m2 first.
+    agent = {**role("agent", [MODEL]), "qualityTolerance": 1.0}
+    proxy = await proxy_server([machine_policy(sim.url, MODEL, sheets), role_table(agent)])
+    async with aiohttp.ClientSession() as session:
+        for _ in range(4):
+            assert await _post(session, proxy.url, model="agent", messages=PROMPT) == 200
+    decisions = await _decisions(proxy.url, 4)
+    assert [d["machine"] for d in decisions] == ["m2"] * 4
+    asked_first = [r["provider"]["order"][0] for r in await sim_records(sim.url)]
+    assert asked_first == ["m1", "m2", "m2", "m2"]
+
+
 # --- 2: the complete answer is the end of the request ------------------------------------
 
 
