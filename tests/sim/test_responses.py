@@ -166,7 +166,7 @@ async def test_openrouters_api_v1_path_is_served_too(
 async def test_ttft_and_tokens_per_second_pace_the_stream(
     start_sim: StartSim, http: aiohttp.ClientSession
 ) -> None:
-    sim = await start_sim(scenario(machine("a", ttftSeconds=0.1, tokensPerSecond=50)))
+    sim = await start_sim(scenario(machine("a", ttftSeconds=1.0, tokensPerSecond=5)))
     arrivals: list[float] = []
     started = time.perf_counter()
     async with http.post(f"{sim.url}/v1/chat/completions", json=body(stream=True)) as response:
@@ -175,12 +175,12 @@ async def test_ttft_and_tokens_per_second_pace_the_stream(
             if line.startswith(b'data: {"id"') and b'"content":"' in line and b'""' not in line:
                 arrivals.append(time.perf_counter() - started)
     assert len(arrivals) == 6
-    # Headers (and the role chunk) come at once; content waits for TTFT.
-    assert headers_at < 0.08
-    assert 0.1 - 0.01 <= arrivals[0] < 0.3
-    # Five intervals of 1/50 s between six tokens.
-    assert arrivals[-1] - arrivals[0] >= 0.1 - 0.01
-    assert arrivals[-1] < 0.5
+    # Content waits for the TTFT, then five intervals of 1/5 s between six tokens: lower
+    # bounds from the start, which a loaded machine only ever stretches.
+    assert arrivals[0] >= 1.0 - 0.01
+    assert arrivals[-1] >= 1.0 + 5 / 5 - 0.01
+    # Headers (and the role chunk) come at once, not after the TTFT.
+    assert headers_at < arrivals[0] / 2
 
 
 async def test_a_non_streamed_answer_takes_as_long_as_generating_it(
@@ -189,13 +189,13 @@ async def test_a_non_streamed_answer_takes_as_long_as_generating_it(
     sim = await start_sim(scenario(machine("a", ttftSeconds=0.05, tokensPerSecond=50)))
     started = time.perf_counter()
     await chat(http, sim.url, body())
-    assert 0.05 + 5 / 50 - 0.01 <= time.perf_counter() - started < 0.5
+    assert time.perf_counter() - started >= 0.05 + 5 / 50 - 0.01
 
 
 async def test_jitter_varies_ttft_within_its_bounds(
     start_sim: StartSim, http: aiohttp.ClientSession
 ) -> None:
-    sim = await start_sim(scenario(machine("a", ttftSeconds=0.05, jitter=0.5)))
+    sim = await start_sim(scenario(machine("a", ttftSeconds=0.5, jitter=0.5)))
     loop = asyncio.get_running_loop()
 
     async def ttft() -> float:
@@ -204,7 +204,7 @@ async def test_jitter_varies_ttft_within_its_bounds(
         return loop.time() - started
 
     first = [await ttft() for _ in range(4)]
-    assert all(0.025 - 0.01 <= t < 0.2 for t in first)
+    assert all(t >= 0.25 - 0.01 for t in first)  # never below ttft x (1 - jitter)
     assert max(first) - min(first) > 0.003  # it does vary
 
 
