@@ -20,6 +20,7 @@ from rolegate_sim.scenario import (
     EmptyFault,
     Fault,
     LingerAfterDoneFault,
+    MalformedEventFault,
     MultiLineEventsFault,
     NoDoneFault,
     SplitWritesFault,
@@ -29,6 +30,7 @@ from rolegate_sim.scenario import (
 from rolegate_sim.state import Outcome, RequestRecord
 from rolegate_sim.stream import (
     DONE_EVENT,
+    MALFORMED_EVENT,
     ChunkEncoder,
     EventWriter,
     await_cancellation,
@@ -81,6 +83,14 @@ class Plan:
             return min(fault.after_tokens, len(self.tokens))
         return None
 
+    def malformed_index(self) -> int | None:
+        """Before which token the malformed event goes; len(tokens) means before the
+        finish."""
+        fault = self.fault
+        if isinstance(fault, MalformedEventFault):
+            return min(fault.at_event - 1, len(self.tokens))
+        return None
+
     def usage(self, completion_tokens: int) -> dict[str, int]:
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -109,6 +119,7 @@ async def send_stream(
     loop = asyncio.get_running_loop()
     stop = plan.stop_index()
     stall_at = plan.stall_index()
+    malformed_at = plan.malformed_index()
     try:
         await response.prepare(request)
         # Headers and the role chunk go out at once, as OpenRouter does; TTFT is the wait
@@ -124,6 +135,8 @@ async def send_stream(
                 await writer.flush()
                 record.tokens_sent = i
                 await asyncio.sleep(wait)
+            if i == malformed_at:
+                writer.add(MALFORMED_EVENT)
             writer.add(encoder.content(token_json[i]))
             if writer.pending_bytes >= _MAX_BATCH_BYTES:
                 await writer.flush()
@@ -150,6 +163,8 @@ async def send_stream(
             wait = pacer.next_due() - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
+        if malformed_at is not None and malformed_at == stop:
+            writer.add(MALFORMED_EVENT)
         writer.add(encoder.finish(plan.finish_reason, empty_content=isinstance(fault, EmptyFault)))
         if plan.include_usage:
             writer.add(encoder.usage(plan.usage(record.tokens_sent)))

@@ -185,6 +185,15 @@ class MultiLineEventsFault(_FaultBase):
     kind: Literal["multiLineEvents"]
 
 
+class MalformedEventFault(_FaultBase):
+    """One event whose data is not JSON (`data: {"choices": [`, a chunk cut short) is
+    inserted just before the `atEvent`-th content event; the answer's own events are all
+    sent, so its text stays whole."""
+
+    kind: Literal["malformedEvent"]
+    at_event: Annotated[int, Field(ge=1)] = 3
+
+
 Fault = Annotated[
     RateLimitFault
     | ServerErrorFault
@@ -202,7 +211,8 @@ Fault = Annotated[
     | SplitWritesFault
     | DownFault
     | LingerAfterDoneFault
-    | MultiLineEventsFault,
+    | MultiLineEventsFault
+    | MalformedEventFault,
     Field(discriminator="kind"),
 ]
 
@@ -224,6 +234,7 @@ FAULT_KINDS: tuple[str, ...] = (
     "down",
     "lingerAfterDone",
     "multiLineEvents",
+    "malformedEvent",
 )
 
 _FAULT_LIST: TypeAdapter[tuple[Fault, ...]] = TypeAdapter(tuple[Fault, ...])

@@ -40,6 +40,10 @@ class RequestRecord:
 
     seq: int
     started_at: float
+    # The simulator's monotonic clock (seconds, arbitrary origin) at the same moment: for
+    # the interval between two requests, which wall-clock time (`started_at`) can get
+    # wrong when the clock is stepped.
+    arrived_monotonic: float
     model: str | None = None
     machine: str | None = None
     # The request's 1-based number on its machine: what `schedule` and the RNG key on.
@@ -83,6 +87,7 @@ class RequestRecord:
             "tokens_sent": self.tokens_sent,
             "bearer_sha256": self.bearer_sha256,
             "started_at": self.started_at,
+            "arrived_monotonic": self.arrived_monotonic,
             "ended_at": self.ended_at,
         }
 
@@ -163,7 +168,9 @@ class SimState:
                 machine.requests = 0
 
     def open_record(self) -> RequestRecord:
-        record = RequestRecord(seq=next(self._seq), started_at=time.time())
+        record = RequestRecord(
+            seq=next(self._seq), started_at=time.time(), arrived_monotonic=time.monotonic()
+        )
         self.records.append(record)
         return record
 

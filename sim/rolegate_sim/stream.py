@@ -21,6 +21,9 @@ from aiohttp import web
 from rolegate_sim.scenario import SplitWritesFault
 
 DONE_EVENT = b"data: [DONE]\n\n"
+# The malformedEvent fault's event: a chunk cut short, so its data is not JSON. The spaces
+# (the simulator's own JSON has none) make it recognisable in whatever a client received.
+MALFORMED_EVENT = b'data: {"choices": [\n\n'
 _ROLE_DELTA = b'{"role":"assistant","content":""}'
 _EMPTY_CONTENT_DELTA = b'{"content":""}'
 _NO_DELTA = b"{}"

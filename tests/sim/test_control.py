@@ -64,6 +64,26 @@ async def test_records_describe_each_request_in_arrival_order_without_any_text(
     assert "three" not in dumped  # nothing of the reply either
 
 
+async def test_records_carry_the_monotonic_time_of_arrival(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    """In-process the simulator's monotonic clock is ours: each arrival lies between the
+    moment its request was sent and the moment its answer came back, so the second request,
+    sent after the first's answer, arrived at least that answer's TTFT later."""
+    ttft = 0.1
+    sim = await start_sim(scenario(machine("a", ttftSeconds=ttft)))
+    sent = time.monotonic()
+    await chat(http, sim.url, body())
+    between = time.monotonic()
+    await chat(http, sim.url, body(stream=True))
+    answered = time.monotonic()
+    first, second = await records(http, sim.url)
+    assert sent <= first["arrived_monotonic"] <= between <= second["arrived_monotonic"]
+    assert second["arrived_monotonic"] <= answered
+    # asyncio may wake a timer up to a clock tick early.
+    assert second["arrived_monotonic"] - first["arrived_monotonic"] >= ttft - 0.01
+
+
 async def test_records_since_a_sequence_number(
     start_sim: StartSim, http: aiohttp.ClientSession
 ) -> None:

@@ -231,7 +231,9 @@ def _completion_sighting(end: ArmEnd, answer: Answered, belief: MachineBelief | 
         ttft_share, gap_share = belief.expected_ttft, belief.expected_gap
     scale = end.seconds / (ttft_share + tokens * gap_share)
     gap = gap_share * scale
-    gaps = GapStats.of([gap] * min(tokens, MAX_TAUGHT_TOKENS)) if math.isfinite(gap) else None
+    taught = min(tokens, MAX_TAUGHT_TOKENS)
+    # `taught` gaps of `gap` each, in one step (not one statistics object per token).
+    gaps = GapStats().add(taught, gap * taught) if math.isfinite(gap) else None
     return _with(base, ttft=ttft_share * scale, gaps=gaps)
 
 

@@ -594,7 +594,11 @@ class Ledger:
                     mean, settings.gap_log_sd, settings.learned_weight
                 )
             entry.gap.add(weight, mean, var, now, settings)
-        return self.belief_of(key, now)
+        # The belief afterwards is what the next routing decision reads: cached here, so a
+        # machine that teaches on every answer is not recomputed on every decision.
+        belief = self.belief_of(key, now)
+        self._cache[key] = (now, belief)
+        return belief
 
     # -- bookkeeping ----------------------------------------------------------------------
 

@@ -61,6 +61,9 @@ class Exchange:
     probes: list[Admission] = field(default_factory=list)
     attempts_left: int = MAX_ATTEMPTS
     client: ClientStream | None = None
+    # How many failures there were at the last backoff: one pause per failure, however
+    # the retry loops meet (a candidate's last try, then the next candidate).
+    paused_after: int = 0
 
     def client_stream(self) -> ClientStream:
         """The client's stream, made when the first streamed arm commits to it."""
@@ -297,6 +300,9 @@ class Exchange:
 
     async def _backoff(self) -> None:
         """Jittered exponential pause between attempts: no upstream is hammered."""
+        if self.paused_after == len(self.failures):
+            return
+        self.paused_after = len(self.failures)
         delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (max(len(self.failures), 1) - 1))
         delay *= 0.5 + self.services.draw() / 2
         delay = min(delay, max(0.0, self.deadline - self.services.now()))

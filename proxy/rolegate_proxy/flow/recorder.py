@@ -63,7 +63,7 @@ class Recorder:
             self.transitions(self.breakers.record(attempted, now))
         key = None if end.machine is None else MachineKey(end.provider, end.model, end.machine)
         if key is not None:
-            taught = sighting(end, self.ledger.belief_of(key, now))
+            taught = sighting(end, self.ledger.current(key, now))
             if taught is not None:
                 self.ledger.note(taught)
         self._verdict(end)

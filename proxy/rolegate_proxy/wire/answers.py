@@ -44,7 +44,9 @@ class NotTheProtocol(ValueError):
     """A 200 body that is not a chat completion (not UTF-8 JSON, or without `choices`)."""
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made per stream event, and a frozen dataclass sets each of its twelve
+# fields through object.__setattr__ (the hot loop; nothing changes one once made).
+@dataclass(slots=True)
 class Chunk:
     """What one decoded stream event says, beside the raw bytes that are forwarded."""
 

@@ -11,6 +11,7 @@ no control character, header break or megabyte of text gets through.
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 from typing import Final
 from urllib.parse import quote
 
@@ -25,7 +26,18 @@ def upstream_name(value: object) -> str | None:
     """The name an upstream gave, safe to use anywhere; None when it gave none."""
     if not isinstance(value, str) or not value:
         return None
-    if len(value) <= MAX_NAME and _PLAIN.fullmatch(value):
-        return value
-    escaped = quote(value[: MAX_NAME * 4], safe=_SAFE_IN_ESCAPES)
-    return escaped[:MAX_NAME]
+    if len(value) > MAX_NAME:
+        return _escaped(value)
+    return _short(value)
+
+
+# Every event of a stream names its model (an aggregator's its machine too), nearly always
+# the same few names: short ones are remembered, in a bounded cache that distinct names
+# only churn (a long name is never kept, so the cache stays a few hundred KB at most).
+@lru_cache(maxsize=1024)
+def _short(value: str) -> str:
+    return value if _PLAIN.fullmatch(value) else _escaped(value)
+
+
+def _escaped(value: str) -> str:
+    return quote(value[: MAX_NAME * 4], safe=_SAFE_IN_ESCAPES)[:MAX_NAME]

@@ -185,6 +185,7 @@ def read_chunk(payload: dict[str, Any], raw: bytes, *, named: bool) -> Chunk:
             tool_calls = True
         has_output = has_output or bool(content) or bool(delta.get("tool_calls"))
         has_content = has_content or has_output or bool(delta.get("reasoning"))
+    usage = payload.get("usage")
     return Chunk(
         raw,
         "".join(texts),
@@ -192,8 +193,8 @@ def read_chunk(payload: dict[str, Any], raw: bytes, *, named: bool) -> Chunk:
         has_output,
         tool_calls,
         finish,
-        _usage(payload, "prompt_tokens"),
-        _usage(payload, "completion_tokens"),
+        None if usage is None else _usage(payload, "prompt_tokens"),
+        None if usage is None else _usage(payload, "completion_tokens"),
         "usage" in payload,
         upstream_name(payload.get("model")),
         upstream_name(payload.get("provider")) if named else None,
