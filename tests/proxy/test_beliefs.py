@@ -15,6 +15,8 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 from rolegate_proxy.core.beliefs import (
+    BELIEF_COALESCE_SECONDS,
+    BELIEF_REFRESH_SECONDS,
     GapStats,
     Ledger,
     LedgerSettings,
@@ -182,6 +184,47 @@ def test_one_stream_counts_for_at_most_stream_weight_observations() -> None:
     assert after is not None
     assert after.gap is not None
     assert after.gap.weight == pytest.approx(8.0)
+
+
+# --- what routing reads: the cached belief ----------------------------------------------------
+
+
+def test_routing_sees_a_filed_sighting_once_the_coalescing_window_has_passed() -> None:
+    book = ledger(("deepinfra", 0.8, 90.0))
+    key = MachineKey(AGG, MODEL, "deepinfra")
+    read = book.current(key, 10.0)
+    book.file(seen("deepinfra", 10.0, ttft=6.0))
+    # Within the window the belief computed at 10.0 is served, sighting or not...
+    inside = 10.0 + BELIEF_COALESCE_SECONDS / 2
+    assert book.current(key, inside) is read
+    # ...after it the sighting counts, and the exact read always counted it.
+    after = book.current(key, 10.0 + BELIEF_COALESCE_SECONDS)
+    assert after is not None
+    assert read is not None
+    assert after.expected_ttft is not None
+    assert read.expected_ttft is not None
+    assert after.expected_ttft > read.expected_ttft
+    exact = book.belief(AGG, MODEL, "deepinfra", inside)
+    assert exact is not None
+    assert exact.expected_ttft == pytest.approx(after.expected_ttft, rel=1e-3)
+
+
+def test_a_belief_nothing_was_filed_for_is_served_until_it_is_a_second_old() -> None:
+    book = ledger(("deepinfra", 0.8, 90.0))
+    key = MachineKey(AGG, MODEL, "deepinfra")
+    read = book.current(key, 10.0)
+    assert book.current(key, 10.0 + BELIEF_REFRESH_SECONDS / 2) is read
+    assert book.current(key, 10.0 + BELIEF_REFRESH_SECONDS) is not read
+
+
+def test_a_machine_nothing_was_believed_about_is_known_from_its_first_sighting() -> None:
+    book = ledger(("deepinfra", 0.8, 90.0))
+    key = MachineKey(AGG, MODEL, "newcomer")
+    assert book.current(key, 10.0) is None
+    book.file(seen("newcomer", 10.0, ttft=0.4))
+    learned = book.current(key, 10.0 + BELIEF_COALESCE_SECONDS / 10)
+    assert learned is not None
+    assert learned.source is Source.LEARNED
 
 
 # --- forgetting: seed 003's measured series ---------------------------------------------------

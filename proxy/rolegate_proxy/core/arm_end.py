@@ -26,11 +26,11 @@ answer, or an upstream's error message.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Final
+from typing import Final, NamedTuple
 
-from .beliefs import GapStats, MachineBelief, Sighting
+from .beliefs import NO_GAPS, GapStats, MachineBelief, Sighting
 from .breaker import Attempted, TransportFault
 from .outcomes import Arm, ArmAct, ArmResult
 from .verdicts import Verdict, VerdictKind
@@ -103,8 +103,7 @@ REFERENCE_GAP: Final = 0.02
 MAX_TAUGHT_TOKENS: Final = 64
 
 
-@dataclass(frozen=True, slots=True)
-class Answered:
+class Answered(NamedTuple):
     """What a complete (or partly delivered) answer showed, without its text."""
 
     finish_reason: str | None = None
@@ -135,7 +134,7 @@ class ArmEnd:
     named: bool = False
     # When the first content arrived.
     first_at: float | None = None
-    gaps: GapStats = field(default_factory=GapStats)
+    gaps: GapStats = NO_GAPS
     status: int | None = None
     # The error's code when it is one of a known set (never its message).
     error_code: str | None = None
@@ -195,37 +194,29 @@ def sighting(end: ArmEnd, belief: MachineBelief | None) -> Sighting | None:
     or the client ended it, or it went silent. A non-streamed answer teaches what it shows,
     its total time for its tokens, split between first token and gaps in the proportions
     of `belief` (or a reference shape)."""
-    if end.machine is None or end.cause in (Cause.STALE_CONNECTION, Cause.NO_CREDENTIALS):
+    machine = end.machine
+    if machine is None or end.cause in (Cause.STALE_CONNECTION, Cause.NO_CREDENTIALS):
         return None
-    taught = Sighting(end.provider, end.model, end.machine, end.ended_at, gaps=end.gaps)
+    at = end.ended_at
     if end.first_at is not None:
-        taught = _with(taught, ttft=end.ttft, cut=end.cause is not Cause.ANSWERED)
+        taught = Sighting(end.provider, end.model, machine, at, ttft=end.ttft, gaps=end.gaps,
+                          cut=end.cause is not Cause.ANSWERED)  # fmt: skip
     elif not end.streamed and end.cause is Cause.ANSWERED and end.answer is not None:
-        taught = _completion_sighting(end, end.answer, belief)
+        taught = _completion_sighting(end, machine, end.answer, belief)
     elif end.cause in _CENSORING:
-        taught = _with(taught, waited=end.seconds, cut=True)
+        taught = Sighting(end.provider, end.model, machine, at, waited=end.seconds,
+                          gaps=end.gaps, cut=True)  # fmt: skip
+    else:
+        taught = Sighting(end.provider, end.model, machine, at, gaps=end.gaps)
     return taught if taught.teaches else None
 
 
-def _with(
-    base: Sighting,
-    *,
-    ttft: float | None = None,
-    waited: float | None = None,
-    gaps: GapStats | None = None,
-    cut: bool = False,
+def _completion_sighting(
+    end: ArmEnd, machine: str, answer: Answered, belief: MachineBelief | None
 ) -> Sighting:
-    return Sighting(
-        base.provider, base.model, base.machine, base.at, ttft=ttft, waited=waited,
-        gaps=base.gaps if gaps is None else gaps, cut=cut,
-    )  # fmt: skip
-
-
-def _completion_sighting(end: ArmEnd, answer: Answered, belief: MachineBelief | None) -> Sighting:
-    base = Sighting(end.provider, end.model, end.machine or "", end.ended_at)
     tokens = answer.completion_tokens or answer.content_deltas
     if tokens <= 0:
-        return _with(base, ttft=end.seconds)
+        return Sighting(end.provider, end.model, machine, end.ended_at, ttft=end.seconds)
     ttft_share, gap_share = REFERENCE_TTFT, REFERENCE_GAP
     if belief is not None and belief.expected_ttft is not None and belief.expected_gap:
         ttft_share, gap_share = belief.expected_ttft, belief.expected_gap
@@ -233,8 +224,10 @@ def _completion_sighting(end: ArmEnd, answer: Answered, belief: MachineBelief | 
     gap = gap_share * scale
     taught = min(tokens, MAX_TAUGHT_TOKENS)
     # `taught` gaps of `gap` each, in one step (not one statistics object per token).
-    gaps = GapStats().add(taught, gap * taught) if math.isfinite(gap) else None
-    return _with(base, ttft=ttft_share * scale, gaps=gaps)
+    gaps = NO_GAPS.add(taught, gap * taught) if math.isfinite(gap) else NO_GAPS
+    return Sighting(
+        end.provider, end.model, machine, end.ended_at, ttft=ttft_share * scale, gaps=gaps
+    )
 
 
 def arm_row(end: ArmEnd, patience: float) -> Arm:

@@ -122,7 +122,13 @@ class GapStats:
         return None if mean is None else math.exp(-mean)
 
 
-@dataclass(frozen=True, slots=True)
+# No gaps at all: immutable, so one instance serves every arm that saw none.
+NO_GAPS: Final = GapStats()
+
+
+# Not frozen, as MachineBelief below: one is made for every arm, on the request path, and a
+# frozen dataclass sets each field through object.__setattr__. Nothing changes one once made.
+@dataclass(slots=True)
 class Sighting:
     """What one arm taught about its machine. `ttft` is the exact time to first token when
     one arrived; `waited` is how long an arm that never saw a first token was waited on
@@ -138,7 +144,7 @@ class Sighting:
     at: float
     ttft: float | None = None
     waited: float | None = None
-    gaps: GapStats = GapStats()
+    gaps: GapStats = NO_GAPS
     cut: bool = False
 
     def __post_init__(self) -> None:
@@ -177,8 +183,7 @@ def truncated_mean(mean: float, sd: float, floor: float) -> float:
     return max(mean + sd * _normal_pdf(alpha) / tail, floor)
 
 
-@dataclass(frozen=True, slots=True)
-class LogNormal:
+class LogNormal(NamedTuple):
     """A belief about a positive duration X: log X ~ Normal(mu, sigma^2) with (mu, sigma^2)
     ~ Normal-Inverse-Gamma(m, kappa, a, b). `weight` is the data's pseudo-count behind it
     (after forgetting, without the prior's)."""
@@ -220,7 +225,8 @@ class LogNormal:
     def mean(self) -> float:
         """The expected value of X: a log-normal's mean at the predictive's location and
         variance, so uncertainty raises it (an unsure belief promises less)."""
-        return math.exp(self.m + 0.5 * self.log_var)
+        # log_var, written out: this is asked on every routing decision.
+        return math.exp(self.m + 0.5 * self.b / (self.a - 1.0) * (1.0 + 1.0 / self.kappa))
 
     def upper(self, z: float) -> float:
         """exp(m + z * sd): e.g. z = 2 is roughly the predictive's 97th percentile."""
@@ -256,7 +262,7 @@ class LogNormal:
         return max(conditional - waited, 0.0)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class MachineBelief:
     """What is believed about one machine now. Either part may be missing (a sheet that
     publishes a TTFT but no rate, an arm cut before its second token)."""
@@ -268,14 +274,13 @@ class MachineBelief:
     sightings: int = 0
     last_seen: float | None = None
     memo: dict[int, float | None] = field(default_factory=dict, repr=False, compare=False)
+    # The two means, read once: routing and teaching ask for them again and again.
+    expected_ttft: float | None = field(init=False, compare=False)
+    expected_gap: float | None = field(init=False, compare=False)
 
-    @property
-    def expected_ttft(self) -> float | None:
-        return None if self.ttft is None else self.ttft.mean()
-
-    @property
-    def expected_gap(self) -> float | None:
-        return None if self.gap is None else self.gap.mean()
+    def __post_init__(self) -> None:
+        self.expected_ttft = None if self.ttft is None else self.ttft.mean()
+        self.expected_gap = None if self.gap is None else self.gap.mean()
 
     @property
     def expected_rate(self) -> float | None:
@@ -291,8 +296,9 @@ class MachineBelief:
         if tokens in memo:
             return memo[tokens]
         expected = None
-        if self.ttft is not None and self.gap is not None:
-            expected = self.ttft.mean() + max(tokens, 0) * self.gap.mean()
+        ttft, gap = self.expected_ttft, self.expected_gap
+        if ttft is not None and gap is not None:
+            expected = ttft + max(tokens, 0) * gap
         if len(memo) < 8:
             memo[tokens] = expected
         return expected
@@ -307,8 +313,10 @@ class MachineBelief:
 # --- the ledger -------------------------------------------------------------------------------
 
 _EMPTY: Final[frozenset[str]] = frozenset()
-# How long a cached belief is served (see `Ledger.belief`).
+# How long a cached belief is served (see `Ledger.current`).
 BELIEF_REFRESH_SECONDS: Final = 1.0
+# How long a cached belief is served although sightings were filed since (see `Ledger.file`).
+BELIEF_COALESCE_SECONDS: Final = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,8 +447,10 @@ class Ledger:
         self._sheet: dict[MachineKey, _Sheet] = {}
         self._entries: OrderedDict[MachineKey, _Entry] = OrderedDict()
         self._index: dict[tuple[str, str], set[str]] = {}
-        # (provider, model, machine) -> (when computed, the belief then); see `belief`.
+        # (provider, model, machine) -> (when computed, the belief then); see `current`.
         self._cache: dict[MachineKey, tuple[float, MachineBelief | None]] = {}
+        # Cached beliefs with sightings filed since they were computed.
+        self._stale: set[MachineKey] = set()
 
     def __len__(self) -> int:
         """Machines with sightings held (bounded by `max_keys`)."""
@@ -480,28 +490,42 @@ class Ledger:
                 self._unindex(key)
         self._sheet = sheet
         self._cache.clear()
+        self._stale.clear()
         for key in sheet:
             self._indexed(key)
 
     # -- reading --------------------------------------------------------------------------
 
     def belief(self, provider: str, model: str, machine: str, now: float) -> MachineBelief | None:
-        """The belief about one machine at `now` (forgetting applied), or None when
-        nothing was ever published or seen about it."""
-        return self.current(MachineKey(provider, model, machine), now)
+        """The belief about one machine at `now` (forgetting applied, every sighting filed
+        counted), or None when nothing was ever published or seen about it. Routing reads
+        `current`, which is cached."""
+        return self.belief_of(MachineKey(provider, model, machine), now)
 
     def current(self, key: MachineKey, now: float) -> MachineBelief | None:
         """`belief` by key. Read for every machine on every routing decision, so it is
-        cached per machine until the machine's next sighting, a new sheet, or
-        BELIEF_REFRESH_SECONDS: forgetting runs on a half-life of minutes, so a second-old
-        posterior differs by well under 0.1 %."""
+        cached per machine: for BELIEF_REFRESH_SECONDS (forgetting runs on a half-life of
+        minutes, so a second-old posterior differs by well under 0.1 %), or until a new
+        sheet, or until a sighting is filed, but not sooner than BELIEF_COALESCE_SECONDS
+        after it was computed (see `file`); a machine's first belief is served at once."""
         cached = self._cache.get(key)
-        if cached is not None and 0.0 <= now - cached[0] < BELIEF_REFRESH_SECONDS:
-            return cached[1]
-        belief = self.belief_of(key, now)
+        if cached is not None:
+            age = now - cached[0]
+            if 0.0 <= age < BELIEF_REFRESH_SECONDS and (
+                key not in self._stale or (age < BELIEF_COALESCE_SECONDS and cached[1] is not None)
+            ):
+                return cached[1]
+        return self._cached(key, self.belief_of(key, now), now)
+
+    def _cached(
+        self, key: MachineKey, belief: MachineBelief | None, now: float
+    ) -> MachineBelief | None:
+        if len(self._cache) >= 2 * self.settings.max_keys:
+            # Bounded: machines no longer asked about fall out.
+            self._cache.clear()
+            self._stale.clear()
         self._cache[key] = (now, belief)
-        if len(self._cache) > 2 * self.settings.max_keys:
-            self._cache.clear()  # bounded: machines no longer asked about fall out
+        self._stale.discard(key)
         return belief
 
     def belief_of(self, key: MachineKey, now: float) -> MachineBelief | None:
@@ -548,12 +572,25 @@ class Ledger:
     # -- learning -------------------------------------------------------------------------
 
     def note(self, sighting: Sighting) -> MachineBelief | None:
-        """File one arm's measurement; returns the belief afterwards. Any arm may file:
-        the winner, a race's loser, an arm that errored, was cut or was abandoned."""
+        """`file` one arm's measurement and return the belief afterwards."""
+        self.file(sighting)
         key = sighting.key
+        return self._cached(key, self.belief_of(key, sighting.at), sighting.at)
+
+    def file(self, sighting: Sighting) -> None:
+        """File one arm's measurement. Any arm may file: the winner, a race's loser, an arm
+        that errored, was cut or was abandoned.
+
+        The belief is not recomputed here but at its next read (`current`), and a read
+        within BELIEF_COALESCE_SECONDS of the last computation is served that one: a
+        machine answering a thousand requests a second is recomputed twenty times a second,
+        not once per answer, and a routing decision sees a sighting at most that late. (A
+        machine nothing was believed about is known from its first sighting on.)"""
         if not sighting.teaches:
-            return self.belief_of(key, sighting.at)
-        self._cache.pop(key, None)
+            return
+        key = sighting.key
+        if key in self._cache:
+            self._stale.add(key)
         settings = self.settings
         now = sighting.at
         entry = self._entry(key)
@@ -594,11 +631,6 @@ class Ledger:
                     mean, settings.gap_log_sd, settings.learned_weight
                 )
             entry.gap.add(weight, mean, var, now, settings)
-        # The belief afterwards is what the next routing decision reads: cached here, so a
-        # machine that teaches on every answer is not recomputed on every decision.
-        belief = self.belief_of(key, now)
-        self._cache[key] = (now, belief)
-        return belief
 
     # -- bookkeeping ----------------------------------------------------------------------
 
@@ -612,6 +644,7 @@ class Ledger:
         while len(self._entries) > self.settings.max_keys:
             victim, _ = self._entries.popitem(last=False)
             self._cache.pop(victim, None)
+            self._stale.discard(victim)
             if victim not in self._sheet:
                 self._unindex(victim)
         return entry

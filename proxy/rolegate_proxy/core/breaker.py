@@ -19,13 +19,14 @@ score (SPEC A5, C4). See docs/degraded-output.md for the rules and every setting
 
 from __future__ import annotations
 
+import math
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import islice
-from typing import Final
+from typing import Final, NamedTuple
 
 from rolegate_policy.enums import (
     TransportScope,
@@ -64,6 +65,8 @@ MAX_KEYS: Final = 4096
 # Distinct fault signatures remembered per key, and fault times per signature.
 MAX_SIGNATURES_PER_KEY: Final = 16
 MAX_HISTORY: Final = 1024
+# How often idle keys are looked for (see `_evict`).
+IDLE_SWEEP_SECONDS: Final = 1.0
 # Nothing legitimate multiplies a cooldown this many times.
 _MAX_DOUBLINGS: Final = 2048
 
@@ -84,7 +87,9 @@ _FAULTY: Final = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made for every attempt recorded, and a frozen dataclass sets each
+# field through object.__setattr__. Nothing changes one once made.
+@dataclass(slots=True)
 class Attempted:
     """One finished upstream attempt, as the breaker needs it. Carries no text.
 
@@ -150,8 +155,7 @@ class Attempted:
         return cls(provider, model, machine, status, transport=fault, started_at=started_at)
 
 
-@dataclass(frozen=True, slots=True)
-class Admission:
+class Admission(NamedTuple):
     """The answer to "may this attempt be sent now?". `probes` names the half-open keys
     this attempt is the single re-probe of (empty for an ordinary attempt); `refused` the
     machines of its routing that may not be asked for after all (another request holds
@@ -172,16 +176,14 @@ class Admission:
 # --- classification ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class _Sample:
+class _Sample(NamedTuple):
     family: Family
     key: BreakerKey
     # The fault's signature; None for a clean sample.
     signature: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class _Hard:
+class _Hard(NamedTuple):
     cause: Cause
     key: BreakerKey
     status: int
@@ -358,6 +360,7 @@ class Breakers:
         self._lease = probe_lease_seconds
         self._max_keys = max_keys
         self._entries: OrderedDict[BreakerKey, _Entry] = OrderedDict()
+        self._next_idle_sweep = -math.inf
         # Keys with an open breaker or an active hard exclusion, in the order they became so.
         self._active: dict[BreakerKey, None] = {}
         # The active keys by what they cover, for the read every routing decision makes
@@ -660,12 +663,12 @@ class Breakers:
         in the routing's `ignore`); a half-open machine makes this attempt its probe. So
         exactly one attempt probes a key, whatever the key's scope."""
         wide = self.admit(provider, model, None, now)
-        if not wide.allowed or not machines:
-            return wide
+        covering = self._covering
+        covered = [m for m in machines if (provider, model, m) in covering]
+        if not wide.allowed or not covered:
+            return wide  # no machine has a key of its own: the common case, decided
         probes, transitions, refused = list(wide.probes), list(wide.transitions), []
-        for machine in machines:
-            if (provider, model, machine) not in self._covering:
-                continue
+        for machine in covered:
             entry = self._entries.get(BreakerKey(provider, model, machine))
             if entry is None:
                 continue
@@ -920,7 +923,11 @@ class Breakers:
         return history
 
     def _evict(self, now: float) -> None:
-        # Closed keys idle for longer than their novelty window hold nothing worth keeping.
+        # Closed keys idle for longer than their novelty window (hours) hold nothing worth
+        # keeping: looked for at most once a second, not on every record.
+        if now < self._next_idle_sweep and len(self._entries) <= self._max_keys:
+            return
+        self._next_idle_sweep = now + IDLE_SWEEP_SECONDS
         for key in list(islice(self._entries, 8)):
             entry = self._entries[key]
             if entry.is_active():

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
-from typing import Final
+from typing import Final, NamedTuple
 
 from rolegate_policy.status import BreakerPhase, Scope, TripReason
 
@@ -47,17 +47,14 @@ class TransitionKind(StrEnum):
     RECOVERED = "recovered"
 
 
-@dataclass(frozen=True, slots=True)
-class BreakerKey:
-    """A provider, a (provider, model) or a (provider, model, machine)."""
+class BreakerKey(NamedTuple):
+    """A provider, a (provider, model) or a (provider, model, machine): a machine key
+    names its model too. A named tuple: several are made and hashed for every attempt
+    recorded, and a tuple is built and hashed in C (a frozen dataclass in Python)."""
 
     provider: str
     model: str | None = None
     machine: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.machine is not None and self.model is None:
-            raise ValueError("a machine key names its model too")
 
     @property
     def scope(self) -> Scope:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
-from typing import Final
+from typing import Final, NamedTuple
 
 from rolegate_policy.config import (
     CompiledModel,
@@ -72,8 +72,9 @@ class MachineRouting:
         return cls(RoutingKind.ONLY, (machine,))
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+# Candidate and Attempt are named tuples: made on every request (a frozen dataclass sets
+# each field through object.__setattr__).
+class Candidate(NamedTuple):
     provider: CompiledProvider
     model: CompiledModel
 
@@ -85,8 +86,7 @@ class Candidate:
         return tuple(machine.name for machine in self.model.machines)
 
 
-@dataclass(frozen=True, slots=True)
-class Attempt:
+class Attempt(NamedTuple):
     """One upstream attempt: a candidate and, for an aggregator, its routing."""
 
     provider: CompiledProvider

@@ -15,12 +15,12 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 
-from ..flow.upstream import Upstreams, reuse_tracing
+from ..flow.upstream import ReuseTellingConnector, Upstreams
 from . import explain
 from .calls import Call
 from .configmap_source import ConfigMapSource
 from .credentials import KeyStore
-from .error_shape import openai_errors
+from .error_shape import MAX_BODY_BYTES
 from .settings import ProxySettings
 from .state import STATE, ProxyState
 from .status_reporter import BreakerReporter
@@ -39,12 +39,10 @@ def create_app(
     state = ProxyState(settings=settings, config=config, keys=keys, source=source)
     if config.hash:
         state.metrics.config_hash.labels(config.hash).set(1)
-    # aiohttp enforces the limit on bodies without Content-Length; we answer in OpenAI shape,
-    # as we do the routing's errors (404, 405).
-    app = web.Application(
-        client_max_size=settings.max_body_bytes,
-        middlewares=[openai_errors(settings.max_body_bytes)],
-    )
+    # aiohttp enforces the limit on bodies without Content-Length; the connection handler
+    # (error_shape.OpenAIErrorRunner) answers it in OpenAI shape, as the routing's errors.
+    app = web.Application(client_max_size=settings.max_body_bytes)
+    app[MAX_BODY_BYTES] = settings.max_body_bytes
     app[STATE] = state
     app.cleanup_ctx.append(_upstream_session)
     app.cleanup_ctx.append(_key_refresher)
@@ -78,9 +76,7 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     connection, for the single retry of a pooled connection the upstream had closed."""
     state = app[STATE]
     pooled = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
-        auto_decompress=True,
-        trace_configs=[reuse_tracing()],
+        connector=ReuseTellingConnector(limit=0, ttl_dns_cache=300), auto_decompress=True
     )
     fresh = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, force_close=True), auto_decompress=True

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import random
 import time
-import uuid
 
 from aiohttp import hdrs, http_exceptions, web
 
@@ -118,7 +119,13 @@ def request_id(request: web.Request) -> str:
     given = request.headers.get("X-Request-Id", "")
     if 0 < len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given:
         return given
-    return uuid.uuid4().hex
+    return f"{_ids.getrandbits(128):032x}"
+
+
+# Request ids: 128 random bits, as a UUID4 carries, from a generator seeded once from the OS
+# (uuid4 reads the OS's randomness and builds a UUID object for every request). An id is a
+# label to find a request by, never a secret.
+_ids = random.Random(os.urandom(32))
 
 
 def body_too_large(limit: int) -> ProxyError:
@@ -149,16 +156,15 @@ def unsupported_encoding() -> ProxyError:
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
-    too_large = body_too_large(limit)
     if request.content_length is not None and request.content_length > limit:
-        raise too_large
+        raise body_too_large(limit)
     coding = request.headers.get(hdrs.CONTENT_ENCODING) or "identity"
     if coding.lower() not in DECODED_CODINGS:
         raise unsupported_encoding()
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise too_large from None
+        raise body_too_large(limit) from None
     except (web.RequestPayloadError, ValueError) as exc:
         raise unreadable_body(exc) from None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import sys
 from dataclasses import dataclass
@@ -60,6 +61,25 @@ async def start(
     return RunningProxy(runner=runner, host=settings.host, port=port)
 
 
+# Young objects a collection waits for (CPython's default is 700).
+GC_YOUNG_THRESHOLD = 10_000
+
+
+def settle_garbage_collector() -> None:
+    """Tune the cycle collector for a long-running server, once it has started.
+
+    What startup made (modules, the configuration, the app) lives as long as the process:
+    frozen, it is never traversed again. Young objects are collected every 10,000
+    allocations instead of 700: a request's objects are freed by reference counting as it
+    ends, so a collection mostly walks the requests in flight, and walking them 14 times
+    less often takes a few percent off every request's CPU (bench/overhead.py). Garbage
+    in reference cycles waits at most that many allocations longer: kilobytes."""
+    gc.collect()
+    gc.freeze()
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
+
+
 def serve(
     settings: ProxySettings, config: ProxyConfig, source: ConfigMapSource | None = None
 ) -> None:
@@ -67,6 +87,7 @@ def serve(
 
     async def main() -> None:
         running = await start(settings, config, source)
+        settle_garbage_collector()
         origin = source.describe if source else f"{len(config.roles)} roles, config {config.hash}"
         print(
             f"rolegate proxy listening on {running.url} ({origin})",

@@ -11,12 +11,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import aiohttp
 from aiohttp import web
 
 from ..core.arm_end import Answered, ArmEnd, Cause
-from ..core.beliefs import GapStats
+from ..core.beliefs import NO_GAPS
 from ..core.exclusions import parse_retry_after
 from ..core.outcomes import ArmAct
 from ..core.routing import Attempt
@@ -84,7 +85,7 @@ class ArmRun:
             direct=not self.attempt.is_aggregator,
             named=self.named is not None,
             first_at=None if watch is None else watch.first_at,
-            gaps=GapStats() if watch is None else watch.gaps,
+            gaps=NO_GAPS if watch is None else watch.gaps,
             verdict=verdict,
             answer=answer,
             act=self.act,
@@ -117,8 +118,7 @@ async def post(
     return response
 
 
-@dataclass(frozen=True, slots=True)
-class Reply:
+class Reply(NamedTuple):
     """A non-streamed answer ready for the client: the provider's own bytes."""
 
     body: bytes

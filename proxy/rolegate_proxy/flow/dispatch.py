@@ -52,6 +52,8 @@ class Dispatcher:
     # Set when the proxy begins to shut down: from then on an arm cancelled under a request
     # was ended by the shutdown, not by its client.
     shutting_down: bool = False
+    # What every exchange is handed, made once the upstream sessions are there.
+    _services: Services | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.chooser = Chooser(
@@ -83,10 +85,15 @@ class Dispatcher:
         decision: Decision,
         headers: dict[str, str],
     ) -> web.StreamResponse:
-        assert self.upstreams is not None, "the upstream sessions start with the app"
-        services = Services(
-            self.chooser, self.breakers, self.recorder, self.upstreams, self.rng.random, self.now,
-            self._cancelled_by,
-        )  # fmt: skip
-        exchange = Exchange(services, request, chat, config, decision, headers)
+        exchange = Exchange(self._shared(), request, chat, config, decision, headers)
         return await exchange.run()
+
+    def _shared(self) -> Services:
+        services = self._services
+        if services is None or services.upstreams is not self.upstreams:
+            assert self.upstreams is not None, "the upstream sessions start with the app"
+            services = self._services = Services(
+                self.chooser, self.breakers, self.recorder, self.upstreams, self.rng.random,
+                self.now, self._cancelled_by,
+            )  # fmt: skip
+        return services

@@ -28,7 +28,7 @@ from rolegate_policy.config import ProxyConfig
 from ..core.arm_end import Answered, ArmEnd, Cause, RequestFault
 from ..core.breaker import Admission
 from ..core.decisions import Decision
-from ..core.routing import Attempt, Candidate, MachineRouting, plan_candidates, routes_machines
+from ..core.routing import Attempt, Candidate, MachineRouting, routes_machines
 from ..wire.chat_request import ChatRequest
 from .arms import ArmRun, Reply, complete, reply_response, verdict_on
 from .client_stream import ClientStream
@@ -87,7 +87,7 @@ class Exchange:
     async def _serve(self) -> web.StreamResponse:
         now = self.services.now()
         candidates = self.services.chooser.order_candidates(
-            self.chat.role, plan_candidates(self.chat.role, self.config),
+            self.chat.role, self.services.candidates(self.chat.role, self.config),
             self.services.breakers.exclusion, now, prompt_tokens=self.chat.prompt_tokens,
         )  # fmt: skip
         if not candidates:

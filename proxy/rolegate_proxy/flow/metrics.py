@@ -279,7 +279,7 @@ class ProxyMetrics:
         ).inc()
 
     def observe_verdict(self, provider: str, model: str, verdict: Verdict) -> None:
-        self.answers.labels(provider, model).inc()
+        self._child(self.answers, provider, model).inc()
         if verdict.kind is VerdictKind.OK:
             return
         signature = verdict.signature.value if verdict.signature else ""

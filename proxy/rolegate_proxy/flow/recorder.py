@@ -65,7 +65,7 @@ class Recorder:
         if key is not None:
             taught = sighting(end, self.ledger.current(key, now))
             if taught is not None:
-                self.ledger.note(taught)
+                self.ledger.file(taught)
         self._verdict(end)
         if end.cause is not Cause.ANSWERED:
             self.metrics.attempt_failures.labels(end.provider, end.cause.value).inc()

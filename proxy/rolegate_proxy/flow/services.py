@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from rolegate_policy.config import CompiledRole, ProxyConfig
 
 from ..core.arm_end import ArmEnd, Cause
 from ..core.breaker import Breakers
 from ..core.chooser import Chooser
+from ..core.routing import Candidate, plan_candidates
 from .arms import ArmRun
 from .recorder import Recorder
 from .upstream import Upstreams
@@ -24,6 +27,22 @@ class Services:
     now: Callable[[], float]
     # Who ended an arm cancelled under its request: the client, or the proxy shutting down.
     cancelled_by: Callable[[], Cause]
+    # Each role's candidates in a configuration (both immutable), by their identities.
+    _plans: dict[tuple[int, int], tuple[ProxyConfig, CompiledRole, tuple[Candidate, ...]]] = field(
+        default_factory=dict
+    )
+
+    def candidates(self, role: CompiledRole, config: ProxyConfig) -> tuple[Candidate, ...]:
+        """`plan_candidates`, worked out once per role and configuration: every request,
+        and every stream's rate test, asks."""
+        found = self._plans.get((id(config), id(role)))
+        if found is not None and found[0] is config and found[1] is role:
+            return found[2]
+        if len(self._plans) >= 256:
+            self._plans.clear()  # configurations replaced long ago
+        planned = tuple(plan_candidates(role, config))
+        self._plans[(id(config), id(role))] = (config, role, planned)
+        return planned
 
     def cancelled(self, run: ArmRun, when: str) -> ArmEnd:
         """`run`, ended by the cancellation of its request `when` (\"before the answer\")."""

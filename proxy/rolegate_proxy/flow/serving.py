@@ -26,7 +26,7 @@ from ..core.arm_end import Answered, ArmEnd, Cause
 from ..core.beliefs import MachineKey
 from ..core.decisions import Decision
 from ..core.outcomes import ArmAct, OutcomeKind
-from ..core.routing import Attempt, plan_candidates
+from ..core.routing import Attempt
 from ..core.watch import Act, Watch
 from ..wire.chat_request import ChatRequest
 from .arms import ArmRun, StreamHooks, open_stream, verdict_on
@@ -125,10 +125,8 @@ class StreamServer:
         """The mid-stream rate test for this arm (SPEC B5), against the request's frontier."""
         services, chat = self.services, self.host.chat
         now = self.now()
-        plan = services.chooser.plan(
-            chat.role, plan_candidates(chat.role, self.host.config), services.breakers.exclusion,
-            now,
-        )  # fmt: skip
+        candidates = services.candidates(chat.role, self.host.config)
+        plan = services.chooser.plan(chat.role, candidates, services.breakers.exclusion, now)
         key = self._key(run)
         return Watch(
             chat.role,

@@ -5,6 +5,7 @@ into these; the request path reads only these."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ..core.arm_end import RequestFault
 
@@ -27,8 +28,7 @@ class UpstreamError:
         return f"{head} ({self.code})" if self.code else head
 
 
-@dataclass(frozen=True, slots=True)
-class Completion:
+class Completion(NamedTuple):
     """A non-streamed answer: its text (kept only until it is judged) and its facts."""
 
     text: str
