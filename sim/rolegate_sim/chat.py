@@ -29,11 +29,15 @@ from rolegate_sim.routing import (
 )
 from rolegate_sim.scenario import (
     EmptyFault,
+    Fault,
+    KeepAliveCommentsFault,
     LateFirstTokenFault,
     MojibakeFault,
     NoResponseFault,
+    NoUsageFault,
     RateCollapseFault,
     RateLimitFault,
+    RefusePrefillFault,
     ReplacementCharFault,
     ResetFault,
     ServerErrorFault,
@@ -168,7 +172,7 @@ def _route(
         machine = model.machines[name]
         number = machine.next_request_number()
         rng = request_rng(seed, model.name, name, number) if machine.uses_rng else None
-        decision = decide(machine.faults, number, rng)
+        decision = decide(machine.faults, number, rng, machine.faults_age())
         if decision.down:
             record.skipped_down.append(name)
             continue
@@ -200,6 +204,9 @@ async def _serve(
 
     machine, decision = routed.machine, routed.decision
     fault, split = decision.fault, decision.split
+    prefilled = chat.messages[-1].get("role") == "assistant"
+    if isinstance(fault, RefusePrefillFault) and not prefilled:
+        fault = None  # it refuses prefills only
     record.machine = machine.name
     record.machine_request = routed.number
     record.fault = None if fault is None else fault.kind
@@ -212,6 +219,11 @@ async def _serve(
         return await _error(
             request, state, record, 429, fault.message, kind, split, headers, fault.error_code
         )
+    if isinstance(fault, RefusePrefillFault):
+        return await _error(
+            request, state, record, 400, fault.message, "invalid_request_error", split, (),
+            fault.error_code,
+        )  # fmt: skip
     if isinstance(fault, ServerErrorFault):
         kind = fault.error_type or (
             "server_error" if fault.status >= 500 else "invalid_request_error"
@@ -229,16 +241,21 @@ async def _serve(
         close_connection(request)
         await await_cancellation()
 
-    plan = _plan(state, model, routed, chat, record)
+    plan = _plan(state, model, routed, chat, record, fault)
     if chat.stream:
         return await send_stream(request, plan, record)
     return await send_completion(request, plan, record)
 
 
 def _plan(
-    state: SimState, model: ModelState, routed: _Routed, chat: ChatRequest, record: RequestRecord
+    state: SimState,
+    model: ModelState,
+    routed: _Routed,
+    chat: ChatRequest,
+    record: RequestRecord,
+    fault: Fault | None,
 ) -> Plan:
-    machine, fault = routed.machine, routed.decision.fault
+    machine = routed.machine
     spec = machine.spec
     tokens: tuple[str, ...] = model.tokens
     token_json: tuple[bytes, ...] | None = model.token_json
@@ -267,7 +284,7 @@ def _plan(
         finish_reason = "length"
 
     ttft = spec.ttft_seconds or 0.0
-    if isinstance(fault, LateFirstTokenFault):
+    if isinstance(fault, LateFirstTokenFault | KeepAliveCommentsFault):
         ttft = fault.seconds
     pacer = Pacer(
         start=asyncio.get_running_loop().time(),
@@ -286,7 +303,7 @@ def _plan(
         token_json=token_json,
         finish_reason=finish_reason,
         prompt_tokens=estimate_prompt_tokens(chat.messages),
-        include_usage=chat.include_usage,
+        include_usage=chat.include_usage and not isinstance(fault, NoUsageFault),
         fault=fault,
         split=routed.decision.split,
         pacer=pacer,

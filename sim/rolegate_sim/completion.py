@@ -19,6 +19,7 @@ from rolegate_sim.scenario import (
     CutFault,
     EmptyFault,
     Fault,
+    KeepAliveCommentsFault,
     LingerAfterDoneFault,
     MalformedEventFault,
     MultiLineEventsFault,
@@ -130,11 +131,18 @@ async def send_stream(
             if i == stall_at:
                 assert isinstance(fault, StallFault)
                 pacer.delay(fault.seconds)
-            wait = pacer.next_due() - loop.time()
-            if wait > 0:
+            due = pacer.next_due()
+            if due > loop.time():
                 await writer.flush()
                 record.tokens_sent = i
-                await asyncio.sleep(wait)
+                if i == 0 and isinstance(fault, KeepAliveCommentsFault):
+                    await _comment_until(writer, fault, due)
+                else:
+                    await asyncio.sleep(due - loop.time())
+                if i == stall_at and isinstance(fault, StallFault) and fault.then_close:
+                    record.finish(Outcome.CUT)
+                    close_connection(request)
+                    await await_cancellation()
             if i == malformed_at:
                 writer.add(MALFORMED_EVENT)
             writer.add(encoder.content(token_json[i]))
@@ -158,11 +166,17 @@ async def send_stream(
         if stall_at is not None and stall_at == stop:
             assert isinstance(fault, StallFault)
             await asyncio.sleep(fault.seconds)
+            if fault.then_close:
+                record.finish(Outcome.CUT)
+                close_connection(request)
+                await await_cancellation()
         if stop == 0:
             # No token carried the first content: the finish event is what TTFT delays.
-            wait = pacer.next_due() - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
+            due = pacer.next_due()
+            if isinstance(fault, KeepAliveCommentsFault):
+                await _comment_until(writer, fault, due)
+            elif due > loop.time():
+                await asyncio.sleep(due - loop.time())
         if malformed_at is not None and malformed_at == stop:
             writer.add(MALFORMED_EVENT)
         writer.add(encoder.finish(plan.finish_reason, empty_content=isinstance(fault, EmptyFault)))
@@ -181,6 +195,16 @@ async def send_stream(
         return response
     record.finish(Outcome.COMPLETED)
     return response
+
+
+async def _comment_until(writer: EventWriter, fault: KeepAliveCommentsFault, due: float) -> None:
+    """SSE comments every `every_seconds` until the loop time `due` (the first token)."""
+    loop = asyncio.get_running_loop()
+    comment = b": " + fault.text.encode("utf-8") + b"\n\n"
+    while (left := due - loop.time()) > 0:
+        writer.add(comment)
+        await writer.flush()
+        await asyncio.sleep(min(fault.every_seconds, left))
 
 
 async def send_completion(
@@ -210,7 +234,7 @@ async def send_completion(
             await asyncio.sleep(wait)
 
     try:
-        if isinstance(fault, CutFault):
+        if isinstance(fault, CutFault) or (isinstance(fault, StallFault) and fault.then_close):
             record.finish(Outcome.CUT)
             close_connection(request)
             await await_cancellation()

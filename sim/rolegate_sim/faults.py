@@ -41,8 +41,11 @@ def needs_rng(faults: Sequence[Fault]) -> bool:
     return any(f.probability is not None for f in faults)
 
 
-def decide(faults: Sequence[Fault], number: int, rng: random.Random | None) -> FaultDecision:
-    """Evaluate triggers in scenario order; `rng` is required iff `needs_rng(faults)`."""
+def decide(
+    faults: Sequence[Fault], number: int, rng: random.Random | None, elapsed: float = 0.0
+) -> FaultDecision:
+    """Evaluate triggers in scenario order; `rng` is required iff `needs_rng(faults)`;
+    `elapsed` is the seconds since the machine's faults were set (`duringSeconds`)."""
     if not faults:
         return NO_FAULT
     chosen: Fault | None = None
@@ -51,7 +54,7 @@ def decide(faults: Sequence[Fault], number: int, rng: random.Random | None) -> F
         is_split = isinstance(fault, SplitWritesFault)
         if (split if is_split else chosen) is not None:
             continue
-        if not _fires(fault, number, rng):
+        if not _fires(fault, number, rng, elapsed):
             continue
         if isinstance(fault, SplitWritesFault):
             split = fault
@@ -62,11 +65,14 @@ def decide(faults: Sequence[Fault], number: int, rng: random.Random | None) -> F
     return FaultDecision(fault=chosen, split=split)
 
 
-def _fires(fault: Fault, number: int, rng: random.Random | None) -> bool:
+def _fires(fault: Fault, number: int, rng: random.Random | None, elapsed: float) -> bool:
     if fault.always:
         return True
     if fault.schedule is not None:
         return number in fault.schedule
+    if fault.during_seconds is not None:
+        start, until = fault.during_seconds
+        return start <= elapsed < until
     assert fault.probability is not None
     assert rng is not None
     return rng.random() < fault.probability

@@ -52,11 +52,17 @@ class _Frozen(BaseModel):
 
 
 class _FaultBase(_Frozen):
-    """The trigger every fault carries: exactly one of probability, schedule, always."""
+    """The trigger every fault carries: exactly one of probability, schedule, always,
+    duringSeconds."""
 
     probability: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     schedule: tuple[Annotated[int, Field(ge=1)], ...] | None = None
     always: bool = False
+    # [from, until): fires for requests arriving that many seconds after the machine's
+    # faults were set (the simulator's start, a reset, or a PUT of its faults): an outage.
+    during_seconds: tuple[Annotated[float, Field(ge=0)], Annotated[float, Field(gt=0)]] | None = (
+        None
+    )
 
     @model_validator(mode="after")
     def _exactly_one_trigger(self) -> Self:
@@ -66,15 +72,18 @@ class _FaultBase(_Frozen):
                 ("probability", self.probability is not None),
                 ("schedule", self.schedule is not None),
                 ("always", self.always),
+                ("duringSeconds", self.during_seconds is not None),
             )
             if present
         ]
         if len(given) != 1:
             found = ", ".join(given) if given else "none"
             raise ValueError(
-                "a fault needs exactly one trigger: `probability: 0..1`, `schedule: [n, ...]` "
-                f"or `always: true` (found {found})"
+                "a fault needs exactly one trigger: `probability: 0..1`, `schedule: [n, ...]`, "
+                f"`always: true` or `duringSeconds: [from, until]` (found {found})"
             )
+        if self.during_seconds is not None and self.during_seconds[0] >= self.during_seconds[1]:
+            raise ValueError("`duringSeconds: [from, until]` needs from < until")
         return self
 
 
@@ -118,6 +127,8 @@ class StallFault(_FaultBase):
     kind: Literal["stall"]
     after_tokens: Annotated[int, Field(ge=0)] = 1
     seconds: Annotated[float, Field(ge=0)] = 300.0
+    # After the silence the connection is closed (no finish, no [DONE]) instead of resuming.
+    then_close: bool = False
 
 
 class CutFault(_FaultBase):
@@ -194,6 +205,32 @@ class MalformedEventFault(_FaultBase):
     at_event: Annotated[int, Field(ge=1)] = 3
 
 
+class KeepAliveCommentsFault(_FaultBase):
+    """Queued: SSE comments (`: OPENROUTER PROCESSING`, as OpenRouter sends while a request
+    waits for a machine) every `everySeconds` for `seconds`, then the answer. The comments
+    replace the TTFT; a non-streamed answer is just that much later."""
+
+    kind: Literal["keepAliveComments"]
+    seconds: Annotated[float, Field(ge=0)]
+    every_seconds: Annotated[float, Field(gt=0)] = 1.0
+    text: Annotated[str, Field(pattern=r"^[^\r\n]*$")] = "OPENROUTER PROCESSING"
+
+
+class RefusePrefillFault(_FaultBase):
+    """A request whose last message is a prefilled assistant message is refused with an
+    HTTP 400 (as providers without prefill support do); any other request is served."""
+
+    kind: Literal["refusePrefill"]
+    message: str = "Assistant message prefill is not supported by this model"
+    error_code: str | None = None
+
+
+class NoUsageFault(_FaultBase):
+    """`stream_options.include_usage` is ignored: no usage chunk (real llama.cpp)."""
+
+    kind: Literal["noUsage"]
+
+
 Fault = Annotated[
     RateLimitFault
     | ServerErrorFault
@@ -212,7 +249,10 @@ Fault = Annotated[
     | DownFault
     | LingerAfterDoneFault
     | MultiLineEventsFault
-    | MalformedEventFault,
+    | MalformedEventFault
+    | KeepAliveCommentsFault
+    | RefusePrefillFault
+    | NoUsageFault,
     Field(discriminator="kind"),
 ]
 
@@ -235,6 +275,9 @@ FAULT_KINDS: tuple[str, ...] = (
     "lingerAfterDone",
     "multiLineEvents",
     "malformedEvent",
+    "keepAliveComments",
+    "refusePrefill",
+    "noUsage",
 )
 
 _FAULT_LIST: TypeAdapter[tuple[Fault, ...]] = TypeAdapter(tuple[Fault, ...])

@@ -93,7 +93,16 @@ class RequestRecord:
 
 
 class MachineState:
-    __slots__ = ("faults", "model", "name", "name_json", "requests", "spec", "uses_rng")
+    __slots__ = (
+        "faults",
+        "faults_since",
+        "model",
+        "name",
+        "name_json",
+        "requests",
+        "spec",
+        "uses_rng",
+    )
 
     def __init__(self, model: str, spec: MachineSpec) -> None:
         self.model = model
@@ -102,12 +111,19 @@ class MachineState:
         self.name_json = encode_json_string(spec.name)
         self.requests = 0
         self.faults: tuple[Fault, ...] = ()
+        self.faults_since = time.monotonic()
         self.uses_rng = False
         self.set_faults(spec.faults)
 
     def set_faults(self, faults: tuple[Fault, ...]) -> None:
         self.faults = faults
+        # The origin of `duringSeconds` windows.
+        self.faults_since = time.monotonic()
         self.uses_rng = self.spec.jitter > 0 or needs_rng(faults)
+
+    def faults_age(self) -> float:
+        """Seconds since this machine's faults were set (start, reset or PUT)."""
+        return time.monotonic() - self.faults_since
 
     def next_request_number(self) -> int:
         self.requests += 1
@@ -166,6 +182,7 @@ class SimState:
         for model in self.models.values():
             for machine in model.machines.values():
                 machine.requests = 0
+                machine.faults_since = time.monotonic()
 
     def open_record(self) -> RequestRecord:
         record = RequestRecord(

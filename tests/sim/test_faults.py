@@ -632,3 +632,101 @@ async def test_a_request_on_a_connection_closed_for_idleness_is_reset_unanswered
     async with aiohttp.ClientSession() as session:
         outcomes = [r["outcome"] for r in await records(session, sim.url)]
     assert outcomes == ["completed", "idle_closed", "completed"]
+
+
+# --- what issue 13's rescue needs ---------------------------------------------------------
+
+
+async def test_an_outage_window_fails_requests_only_while_it_lasts(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    outage = {"kind": "serverError", "status": 503, "duringSeconds": [0, 0.4]}
+    url = await one_machine(start_sim, outage)
+    assert (await chat(http, url, body())).status == 503
+    await asyncio.sleep(0.45)  # the stimulus: the window's end
+    assert (await chat(http, url, body())).status == 200
+
+
+async def test_an_outage_window_starts_when_the_faults_are_put(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim)
+    await asyncio.sleep(0.3)
+    window = [{"kind": "serverError", "status": 503, "duringSeconds": [0, 60]}]
+    async with http.put(f"{url}/_sim/machines/{MODEL}/a/faults", json=window) as response:
+        assert response.status == 200
+    assert (await chat(http, url, body())).status == 503
+
+
+async def test_keep_alive_comments_go_out_until_the_first_token(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    comments = always("keepAliveComments", seconds=0.5, everySeconds=0.1)
+    url = await one_machine(start_sim, comments)
+    started = time.monotonic()
+    first_content = None
+    raw = b""
+    async with http.post(f"{url}/v1/chat/completions", json=body(stream=True)) as response:
+        async for data in response.content.iter_any():
+            raw += data
+            if first_content is None and b'"delta":{"content":"' in data:
+                first_content = time.monotonic() - started
+    assert first_content is not None
+    assert first_content >= 0.5 - EARLY
+    assert raw.count(b": OPENROUTER PROCESSING\n\n") >= 4
+    assert raw.index(b": OPENROUTER PROCESSING") < raw.index(b'"delta":{"content":"')
+    events = parse_sse(b"".join(b for b in raw.split(b": OPENROUTER PROCESSING\n\n")))
+    assert (
+        "".join(
+            e["choices"][0]["delta"].get("content", "")
+            for e in events
+            if isinstance(e, dict) and e.get("choices")
+        )
+        == REPLY
+    )
+
+
+async def test_keep_alive_comments_delay_a_non_streamed_answer(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("keepAliveComments", seconds=0.3))
+    started = time.monotonic()
+    reply = await chat(http, url, body())
+    assert time.monotonic() - started >= 0.3 - EARLY
+    assert reply.json()["choices"][0]["message"]["content"] == REPLY
+
+
+async def test_refuse_prefill_answers_400_to_a_prefilled_request_only(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("refusePrefill"), continuesPartialMessage=True)
+    prefilled = body(messages=[*USER, {"role": "assistant", "content": REPLY[:5]}])
+    refused = await chat(http, url, prefilled)
+    assert refused.status == 400
+    assert refused.json()["error"]["type"] == "invalid_request_error"
+    assert (await chat(http, url, body())).status == 200
+    kinds = [(r["fault"], r["status"]) for r in await records(http, url)]
+    assert kinds == [("refusePrefill", 400), (None, 200)]
+
+
+async def test_no_usage_ignores_include_usage(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await one_machine(start_sim, always("noUsage"))
+    reply = await chat(http, url, body(stream=True, stream_options={"include_usage": True}))
+    assert reply.text == REPLY
+    assert not any(isinstance(e, dict) and "usage" in e for e in reply.events)
+    assert reply.events[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_stall_then_close_drops_the_connection_after_the_silence(
+    start_sim: StartSim, http: aiohttp.ClientSession, stream: bool
+) -> None:
+    url = await one_machine(start_sim, always("stall", afterTokens=2, seconds=0.3, thenClose=True))
+    started = time.monotonic()
+    with pytest.raises(aiohttp.ClientPayloadError if stream else aiohttp.ServerDisconnectedError):
+        await chat(http, url, body(stream=stream))
+    assert time.monotonic() - started >= 0.3 - EARLY
+    record = await finished_record(http, url)
+    assert (record["outcome"], record["tokens_sent"]) == ("cut", 2 if stream else 0)

@@ -88,7 +88,11 @@ def test_fault_parameters_and_defaults() -> None:
 
 @pytest.mark.parametrize("kind", FAULT_KINDS)
 def test_every_fault_kind_parses_with_its_minimal_parameters(kind: str) -> None:
-    required = {"lateFirstToken": {"seconds": 1}, "rateCollapse": {"tokensPerSecond": 5}}
+    required = {
+        "lateFirstToken": {"seconds": 1},
+        "rateCollapse": {"tokensPerSecond": 5},
+        "keepAliveComments": {"seconds": 2},
+    }
     (fault,) = parse_faults([{"kind": kind, "always": True, **required.get(kind, {})}], source="t")
     assert fault.kind == kind
 
@@ -110,6 +114,12 @@ def test_a_fault_without_a_trigger_is_rejected_with_its_path_and_kind() -> None:
 def test_a_fault_with_two_triggers_is_rejected() -> None:
     message = _error(_one_machine(faults=[{"kind": "cut", "always": True, "schedule": [1]}]))
     assert "found schedule, always" in message
+
+
+def test_an_outage_window_must_end_after_it_begins() -> None:
+    message = _error(_one_machine(faults=[{"kind": "reset", "duringSeconds": [5, 5]}]))
+    assert "faults[0]" in message
+    assert "from < until" in message
 
 
 def test_an_out_of_range_value_names_the_field() -> None:
