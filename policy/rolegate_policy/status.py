@@ -36,6 +36,7 @@ CAMEL_CASE_PATTERN: Final = r"^[A-Z][A-Za-z0-9]*$"
 MAX_CONDITIONS: Final = 16
 MAX_POD_REPORTS: Final = 64
 MAX_BREAKERS_PER_REPORT: Final = 256
+MAX_QUIRKS_PER_REPORT: Final = 8
 
 
 class StatusModel(BaseModel):
@@ -219,6 +220,32 @@ class BreakerReport(StatusModel):
     )
 
 
+# A way a provider's answers depart from the protocol that rolegate repairs or tolerates,
+# noted on the status (SPEC A1, E4): never a fault.
+class ProtocolQuirk(StrEnum):
+    # Event streams whose Content-Type names no charset (decoded as UTF-8 anyway).
+    MISSING_CHARSET = "MissingCharset"
+    # Streams that end after their final chunk without `data: [DONE]` (supplied).
+    MISSING_DONE = "MissingDone"
+    # Streams that send no usage although the client asked for it (rolegate's estimate sent).
+    MISSING_USAGE = "MissingUsage"
+
+
+class QuirkReport(StatusModel):
+    """How often one proxy pod has met a protocol quirk of this provider."""
+
+    kind: ProtocolQuirk = Field(
+        description=(
+            "The quirk: `MissingCharset` (event streams without a charset, decoded as UTF-8 "
+            "anyway), `MissingDone` (streams ending after their final chunk without "
+            "`data: [DONE]`, which rolegate supplies) or `MissingUsage` (no usage although "
+            "the client asked; rolegate sends its own estimate)."
+        ),
+    )
+    count: int = Field(ge=0, description="Answers that showed it since the pod started.")
+    last_seen: datetime = Field(description="When the pod last saw it.")
+
+
 class PodReport(StatusModel):
     """The breakers one proxy pod holds open for this provider. Each pod writes only its
     own entry, so replicas never overwrite each other."""
@@ -240,6 +267,15 @@ class PodReport(StatusModel):
         max_length=MAX_BREAKERS_PER_REPORT,
         json_schema_extra={"x-kubernetes-list-type": "atomic"},
         description="The pod's breakers that are open or half-open; empty when all are closed.",
+    )
+    quirks: list[QuirkReport] = Field(
+        default_factory=list,
+        max_length=MAX_QUIRKS_PER_REPORT,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["kind"]},
+        description=(
+            "Protocol quirks the pod has met in this provider's answers: tolerated or "
+            "repaired, never counted as faults."
+        ),
     )
 
 

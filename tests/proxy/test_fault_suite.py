@@ -29,10 +29,10 @@ BEFORE_CONTENT: list[dict[str, Any]] = [
     {"kind": "streamError", "always": True, "afterTokens": 0},
     {"kind": "empty", "always": True},
 ]
-# Faults after content reached the client: the client must get a clear error.
+# Faults after content reached the client: with nobody to continue the partial answer,
+# the client must get a clear error.
 AFTER_CONTENT: list[dict[str, Any]] = [
     {"kind": "cut", "always": True, "afterTokens": 3},
-    {"kind": "noDone", "always": True},
     {"kind": "streamError", "always": True, "afterTokens": 3},
     {"kind": "stall", "always": True, "afterTokens": 3, "seconds": 30},
 ]
@@ -41,6 +41,8 @@ HARMLESS: list[dict[str, Any]] = [
     {"kind": "lateFirstToken", "always": True, "seconds": 0.3},
     {"kind": "rateCollapse", "always": True, "afterTokens": 3, "tokensPerSecond": 40},
     {"kind": "splitWrites", "always": True},
+    # The final chunk, then a clean end: complete; the missing [DONE] is supplied (E4).
+    {"kind": "noDone", "always": True},
     {"kind": "down", "always": True},  # the aggregator serves from the fallback itself
 ]
 

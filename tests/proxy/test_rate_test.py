@@ -417,7 +417,10 @@ def test_a_stream_keeping_up_runs_on_the_patience_clock_and_acts_at_the_deadline
         ActReason.DEADLINE,
         5.0,
     )
-    assert w.next_check(1.0) == 5.0
+    # The first look comes before the deadline: the moment a silence would decide.
+    silent_until = w.next_check(1.0)
+    assert silent_until is not None
+    assert 1.0 < silent_until < 5.0
     now, act = 1.0, None
     while act is None and now < 10.0:
         now += 1 / 60.0
@@ -428,10 +431,63 @@ def test_a_stream_keeping_up_runs_on_the_patience_clock_and_acts_at_the_deadline
     assert w.next_check(now) is None
 
 
+# --- silence is evidence ------------------------------------------------------------------
+
+
+def _producing(w: Watch, tokens: int, rate: float, start: float = 1.0) -> float:
+    """`tokens` tokens at `rate`, from `start`; the time of the last."""
+    now = start
+    for _ in range(tokens):
+        assert w.observe(now, 1) is None
+        now += 1 / rate
+    return now - 1 / rate
+
+
+def test_a_machine_believed_at_60_that_goes_silent_is_acted_on_within_3_seconds() -> None:
+    book = ledger(*SEED)
+    w = watch(book, "deepinfra", ["fireworks", "groq"])
+    last = _producing(w, 20, 60.0)
+    due = w.next_check(last)
+    assert due is not None
+    assert due - last < 3.0
+    # Nothing before the check it asked for...
+    assert w.observe((last + due) / 2) is None
+    # ...and at it, a rate act that can move the request.
+    act = w.observe(due)
+    assert act is not None
+    assert act.reason is ActReason.RATE
+    assert act.movable
+    assert "silent for" in act.detail
+    assert act.at - last < 3.0
+
+
+def test_a_silence_shorter_than_decisive_is_not_banked() -> None:
+    book = ledger(*SEED)
+    w = watch(book, "deepinfra", ["fireworks", "groq"])
+    last = _producing(w, 20, 60.0)
+    due = w.next_check(last)
+    assert due is not None
+    before = w.llr
+    assert w.observe(last + (due - last) * 0.9) is None
+    assert w.llr == before
+    # The stream resumes at its believed rate: it keeps being served.
+    assert _producing(w, 20, 60.0, start=last + (due - last) * 0.95) > due
+    assert w.keeping_up
+
+
+def test_with_nothing_to_move_to_a_silence_decides_nothing() -> None:
+    book = ledger(*SEED)
+    w = watch(book, "deepinfra", [])
+    last = _producing(w, 20, 60.0)
+    assert w.observe(last + 30.0) is None
+    assert w.keeping_up
+
+
 def test_the_deadline_act_names_an_alternative_only_if_it_would_finish_sooner() -> None:
     book = ledger(*SEED)
     w = watch(book, "groq", ["fireworks", "deepinfra"], patience=2.0)
-    w.observe(0.6, 1)
+    # Keeping up at its believed 120 tok/s until the patience is spent.
+    _producing(w, 167, 120.0, start=0.6)
     act = w.observe(2.0)
     assert act is not None
     assert act.reason is ActReason.DEADLINE

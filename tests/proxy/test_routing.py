@@ -137,7 +137,6 @@ async def test_a_direct_provider_gets_no_provider_field(
     ("fault", "says"),
     [
         ({"kind": "cut", "always": True, "afterTokens": 3}, "cut"),
-        ({"kind": "noDone", "always": True}, "without its terminating [DONE]"),
         ({"kind": "streamError", "always": True, "afterTokens": 3}, "error mid-stream"),
     ],
 )

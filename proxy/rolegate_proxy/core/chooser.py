@@ -298,6 +298,21 @@ class Plan:
                 )
         return tuple(found)
 
+    def continuers(self, model: str, avoid: Collection[MachineKey] = ()) -> list[MachineKey]:
+        """The admitted machines that continue a partial assistant message, to take over
+        an answer of `model` that broke after content reached the client (SPEC E5): that
+        model's first, then the role's other models in order; `avoid` left out."""
+        same: list[MachineKey] = []
+        others: list[MachineKey] = []
+        for choice in self.choices:
+            for fate in choice.fates:
+                if not (fate.admitted and fate.continues_partial):
+                    continue
+                key = choice.key(fate.machine)
+                if key not in avoid:
+                    (same if choice.model == model else others).append(key)
+        return same + others
+
     def last_resort(self) -> Choice | None:
         """None while any candidate is sendable; otherwise the first candidate whose
         machines were refused only for patience, relaxed into an `order` (B4: an empty

@@ -35,6 +35,13 @@ evidence, a narrow one strong. The per-event log-likelihood ratio is clipped to
 [-clip, clip] (Huber's robust test: no single gap, a pause or a burst, decides), and the
 sum is floored at B so that a long healthy stretch does not bank credit that would hide a
 later collapse. A `rate` act needs the sum at A and at least `min_gaps` gaps.
+
+**Silence is evidence.** A stream that has gone quiet is judged on a timer, not at its next
+token: a silence of d seconds is at least as slow as floor(d x r1) gaps at the behind rate
+r1, each worth that gap's (clipped) step, so the test decides once the sum with them
+reaches A (they count toward `min_gaps` too). A machine believed at 60 tok/s, with an
+alternative as fast, is decided about half a second into a silence. The silence is not
+banked: a token that then arrives is tested as the one long gap it was.
 A = log((1 - beta) / alpha), B = log(beta / (1 - alpha)); with alpha = 0.01 (false move)
 and beta = 0.05 (missed move), A = 4.55 and B = -2.99. See docs/patience.md for the error
 rates, measured and bounded.
@@ -166,6 +173,16 @@ class _Decision:
     detail: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Hypotheses:
+    alternative: Alternative
+    movable: bool
+    # Tokens still expected, and the two rates (tokens per second) weighed.
+    rest: float
+    keep_rate: float
+    behind_rate: float
+
+
 _NOTHING: Final = (None, False)
 
 
@@ -288,7 +305,12 @@ class Watch:
         if reading.clock is Clock.FIRST_TOKEN and reading.ceiling <= now:
             # Late, but nothing better yet: look again shortly, and at the deadline.
             return min(now + self.settings.tick_seconds, max(self.deadline, now))
-        return max(reading.ceiling, now)
+        ceiling = max(reading.ceiling, now)
+        if reading.clock is Clock.PATIENCE:
+            decisive = self._silence_decisive_at()
+            if decisive is not None:
+                return max(min(ceiling, decisive), now)
+        return ceiling
 
     # -- events -----------------------------------------------------------------------------
 
@@ -305,6 +327,8 @@ class Watch:
                 self._gaps = self._gaps.add(tokens, elapsed)
                 self.last_at = now
             self.tokens += tokens
+        elif self.first_at is not None:
+            self._test_silence(now)
         return self._due(now)
 
     # -- inside -----------------------------------------------------------------------------
@@ -399,42 +423,96 @@ class Watch:
         assert var is not None
         return math.exp(mean + var / 2.0)
 
-    def _test(self, tokens: int, elapsed: float, now: float) -> None:
-        """One SPRT step for an event of `tokens` tokens `elapsed` seconds after the last."""
-        if self._decision is not None:
-            return
+    def _hypotheses(self) -> _Hypotheses | None:
+        """The two rates the test weighs, against the best alternative now (None: there is
+        no alternative, so nothing to decide)."""
         settings = self.settings
         rest = self.remaining()
         best = self._best(rest)
         if best is None:
-            return
+            return None
         alternative, movable = best
-        var = self._log_var
         even = rest / alternative.expected_seconds(rest)
         believed = self._serving_gap()
         keep_rate = even / settings.tolerance
         if believed is not None:
             keep_rate = max(keep_rate, 1.0 / believed)
         behind_rate = min(keep_rate, even) / settings.tolerance**2
+        return _Hypotheses(alternative, movable, rest, keep_rate, behind_rate)
+
+    def _step(self, hypotheses: _Hypotheses, tokens: int, gap: float) -> float:
+        """The clipped log-likelihood ratio of `tokens` tokens arriving `gap` seconds apart
+        each: behind against keeping up."""
+        var = self._log_var
         # The log of the mean of k log-normal gaps: variance shrinks with k, moment-matched.
         var_k = math.log1p(math.expm1(var) / tokens)
-        mu0 = -math.log(keep_rate) - var_k / 2.0
-        mu1 = -math.log(behind_rate) - var_k / 2.0
-        y = math.log(max(elapsed / tokens, MIN_SECONDS))
+        mu0 = -math.log(hypotheses.keep_rate) - var_k / 2.0
+        mu1 = -math.log(hypotheses.behind_rate) - var_k / 2.0
+        y = math.log(max(gap, MIN_SECONDS))
         step = ((y - mu0) ** 2 - (y - mu1) ** 2) / (2.0 * var_k)
-        step = min(max(step, -settings.clip), settings.clip)
+        return min(max(step, -self.settings.clip), self.settings.clip)
+
+    def _test(self, tokens: int, elapsed: float, now: float) -> None:
+        """One SPRT step for an event of `tokens` tokens `elapsed` seconds after the last."""
+        if self._decision is not None:
+            return
+        hypotheses = self._hypotheses()
+        if hypotheses is None:
+            return
+        settings = self.settings
+        step = self._step(hypotheses, tokens, elapsed / tokens)
         self.llr = max(self.llr + step, settings.lower)
         gaps = self._gaps.count + tokens
         if self.llr >= settings.upper and gaps >= settings.min_gaps:
             observed = gaps / max(now - (self.first_at or now), MIN_SECONDS)
-            self._decision = _Decision(
-                now,
-                alternative,
-                movable,
-                f"{int(gaps)} gaps at {observed:.1f} tok/s; kept at {keep_rate:.1f} tok/s, "
-                f"behind at {behind_rate:.1f}; {alternative.key.describe()} would finish "
-                f"{rest:.0f} tokens in {alternative.expected_seconds(rest):.1f} s",
-            )
+            self._decide(now, hypotheses, f"{int(gaps)} gaps at {observed:.1f} tok/s")
+
+    def _silence(self) -> tuple[_Hypotheses, float] | None:
+        """What a silence is tested against, and what one behind-rate gap of it is worth."""
+        if self._decision is not None or self.last_at is None:
+            return None
+        hypotheses = self._hypotheses()
+        if hypotheses is None:
+            return None
+        worth = self._step(hypotheses, 1, 1.0 / hypotheses.behind_rate)
+        return (hypotheses, worth) if worth > 0 else None
+
+    def _silence_gaps_needed(self, worth: float) -> int:
+        """Behind-rate gaps of silence that would decide, on top of what was seen."""
+        by_evidence = math.ceil(max(self.settings.upper - self.llr, 0.0) / worth)
+        by_count = math.ceil(max(self.settings.min_gaps - self._gaps.count, 0.0))
+        return max(by_evidence, by_count, 1)
+
+    def _silence_decisive_at(self) -> float | None:
+        """When the silence since the last token, if it lasts, decides the test."""
+        found = self._silence()
+        if found is None:
+            return None
+        hypotheses, worth = found
+        assert self.last_at is not None
+        return self.last_at + self._silence_gaps_needed(worth) / hypotheses.behind_rate
+
+    def _test_silence(self, now: float) -> None:
+        """Decide on the silence since the last token, without banking it."""
+        found = self._silence()
+        if found is None:
+            return
+        hypotheses, worth = found
+        assert self.last_at is not None
+        silent = now - self.last_at
+        if math.floor(silent * hypotheses.behind_rate) >= self._silence_gaps_needed(worth):
+            self._decide(now, hypotheses, f"silent for {silent:.2f} s")
+
+    def _decide(self, now: float, hypotheses: _Hypotheses, seen: str) -> None:
+        alternative, rest = hypotheses.alternative, hypotheses.rest
+        self._decision = _Decision(
+            now,
+            alternative,
+            hypotheses.movable,
+            f"{seen}; kept at {hypotheses.keep_rate:.1f} tok/s, behind at "
+            f"{hypotheses.behind_rate:.1f}; {alternative.key.describe()} would finish "
+            f"{rest:.0f} tokens in {alternative.expected_seconds(rest):.1f} s",
+        )
 
     def _detail(self, reading: Reading, now: float) -> str:
         waited = now - self.sent_at

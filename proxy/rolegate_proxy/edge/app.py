@@ -172,6 +172,7 @@ async def _status_reports(app: web.Application) -> AsyncIterator[None]:
         monotonic=dispatcher.now,
         kubeconfig=state.source.kubeconfig,
         heartbeat_seconds=state.settings.status_heartbeat_seconds,
+        quirks=dispatcher.recorder.quirks_of,
     )
     dispatcher.listeners.append(reporter.mark_dirty)
     async with aiohttp.ClientSession() as session:

@@ -30,7 +30,15 @@ from rolegate_policy import API_VERSION
 from rolegate_policy.config import (
     ProxyConfig,
 )
-from rolegate_policy.status import MAX_BREAKERS_PER_REPORT, BreakerPhase, BreakerReport, PodReport
+from rolegate_policy.status import (
+    MAX_BREAKERS_PER_REPORT,
+    MAX_QUIRKS_PER_REPORT,
+    BreakerPhase,
+    BreakerReport,
+    PodReport,
+    ProtocolQuirk,
+    QuirkReport,
+)
 
 from ..core.exclusions import (
     BreakerView,
@@ -83,7 +91,22 @@ def breaker_reports(
     return reports[:MAX_BREAKERS_PER_REPORT]
 
 
-def _wire(model: PodReport | BreakerReport) -> dict[str, Any]:
+def quirk_reports(
+    seen: dict[ProtocolQuirk, tuple[int, float]], monotonic_now: float, wall_now: float
+) -> list[QuirkReport]:
+    """The protocol quirks one provider's answers showed this pod, sorted by kind."""
+    reports = [
+        QuirkReport(kind=kind, count=count, last_seen=wall_clock(at, monotonic_now, wall_now))
+        for kind, (count, at) in sorted(seen.items())
+    ]
+    return reports[:MAX_QUIRKS_PER_REPORT]
+
+
+def _no_quirks(_provider: str) -> dict[ProtocolQuirk, tuple[int, float]]:
+    return {}
+
+
+def _wire(model: PodReport | BreakerReport | QuirkReport) -> dict[str, Any]:
     return model.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
@@ -97,6 +120,8 @@ class BreakerReporter:
     heartbeat_seconds: float = 30.0
     coalesce_seconds: float = 0.5
     backoff: Backoff = field(default_factory=Backoff)
+    # The protocol quirks each provider's answers showed (kind -> count, last seen).
+    quirks: Callable[[str], dict[ProtocolQuirk, tuple[int, float]]] = _no_quirks
     _dirty: asyncio.Event = field(default_factory=asyncio.Event)
     # provider -> (what was last written, when): only changes and heartbeats are sent.
     _sent: dict[str, tuple[str, float]] = field(default_factory=dict)
@@ -131,9 +156,13 @@ class BreakerReporter:
             if not namespace:
                 continue  # a provider from a manifest without a namespace: not in a cluster
             breakers = breaker_reports(states, provider.name, monotonic_now, wall_now)
-            # What changed, without the times (a heartbeat carries those).
+            quirks = quirk_reports(self.quirks(provider.name), monotonic_now, wall_now)
+            # What changed, without the times and counts (a heartbeat carries those).
             digest = json.dumps(
-                [_wire(b.model_copy(update={"since": None, "until": None})) for b in breakers],
+                [
+                    [_wire(b.model_copy(update={"since": None, "until": None})) for b in breakers],
+                    [quirk.kind.value for quirk in quirks],
+                ],
                 sort_keys=True,
             )
             last = self._sent.get(provider.name)
@@ -143,7 +172,13 @@ class BreakerReporter:
                 and wall_now - last[1] < self.heartbeat_seconds
             ):
                 continue
-            await self._apply(session, access, namespace, name, breakers, wall_now)
+            report = PodReport(
+                pod=self.pod,
+                observed_at=datetime.fromtimestamp(int(wall_now), UTC),
+                breakers=breakers,
+                quirks=quirks,
+            )
+            await self._apply(session, access, namespace, name, report)
             self._sent[provider.name] = (digest, wall_now)
 
     async def _apply(
@@ -152,14 +187,8 @@ class BreakerReporter:
         access: KubeAccess,
         namespace: str,
         name: str,
-        breakers: list[BreakerReport],
-        wall_now: float,
+        report: PodReport,
     ) -> None:
-        report = PodReport(
-            pod=self.pod,
-            observed_at=datetime.fromtimestamp(int(wall_now), UTC),
-            breakers=breakers,
-        )
         body = {
             "apiVersion": API_VERSION,
             "kind": "ProviderPolicy",
@@ -185,4 +214,7 @@ class BreakerReporter:
                 raise RuntimeError(
                     f"HTTP {response.status} patching {namespace}/{name}: {text[:300]}"
                 )
-        log.info("status reported provider=%s/%s breakers=%d", namespace, name, len(breakers))
+        log.info(
+            "status reported provider=%s/%s breakers=%d quirks=%d",
+            namespace, name, len(report.breakers), len(report.quirks),
+        )  # fmt: skip

@@ -8,6 +8,7 @@ the recorder.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,15 +128,18 @@ class Reply(NamedTuple):
 
 async def complete(upstreams: Upstreams, run: ArmRun, chat: ChatRequest, *, fresh: bool) -> Reply:
     """One non-streamed arm, read whole. Raises ArmFailed when it produced nothing usable
-    (its verdict is the caller's to judge)."""
+    (its verdict is the caller's to judge). The whole answer is due within the arm's
+    silence bound from its sending, whatever keep-alive whitespace comes before it."""
     silence = run.silence
-    response = await post(upstreams, run, chat, fresh=fresh)
     try:
-        raw = await response.read()
+        async with asyncio.timeout(silence.seconds):
+            response = await post(upstreams, run, chat, fresh=fresh)
+            try:
+                raw = await response.read()
+            finally:
+                response.release()
     except TRANSPORT_ERRORS as error:
         raise failed_in_transport(error, silence, headers_in=True, content_in=False) from None
-    finally:
-        response.release()
     try:
         parsed = run.wire.parse_completion(raw, named=run.attempt.is_aggregator)
     except NotTheProtocol as problem:
@@ -162,8 +166,21 @@ def verdict_on(chat: ChatRequest, text: str, finish: str | None, tool_calls: boo
 async def open_stream(
     upstreams: Upstreams, run: ArmRun, chat: ChatRequest, hooks: StreamHooks
 ) -> OpenedStream:
-    """Send one streamed arm and wait for its first content (or its end). Until then a
-    failure is invisible to the client and raises ArmFailed."""
+    """Send one streamed arm and wait for its first content (or its end), which is due
+    within the arm's silence bound from its sending: keep-alive comments do not extend it
+    (SPEC E5: patience bounds every wait). Until then a failure is invisible to the client
+    and raises ArmFailed."""
+    silence = run.silence
+    try:
+        async with asyncio.timeout(silence.seconds):
+            return await _opened(upstreams, run, chat, hooks)
+    except TimeoutError as error:
+        raise failed_in_transport(error, silence, headers_in=True, content_in=False) from None
+
+
+async def _opened(
+    upstreams: Upstreams, run: ArmRun, chat: ChatRequest, hooks: StreamHooks
+) -> OpenedStream:
     silence = run.silence
     response = await post(upstreams, run, chat, fresh=hooks.fresh)
     if "charset" not in response.headers.get("Content-Type", "").lower():

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from ..wire.answers import Chunk
-from ..wire.sse import encode_event
+from ..wire.chat_request import ChatRequest
+from ..wire.client import DONE, estimated_usage_event, incomplete_event
 
-DONE = b"data: [DONE]\n\n"
 _STREAM_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
     "Cache-Control": "no-cache",
@@ -40,6 +40,12 @@ class Delivered:
     has_tool_calls: bool = False
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # The model the chunks named.
+    model: str | None = None
+    # Arms whose content reached the client: more than one once a continuation spliced in.
+    legs: int = 1
+    # A usage chunk went to the client (the upstream's own, or rolegate's estimate).
+    usage_sent: bool = False
 
     @property
     def text(self) -> str:
@@ -49,22 +55,34 @@ class Delivered:
     def content_deltas(self) -> int:
         return len(self.texts)
 
-    def note(self, chunk: Chunk) -> None:
+    @property
+    def spliced(self) -> bool:
+        return self.legs > 1
+
+    def note(self, chunk: Chunk) -> bool:
+        """Take in a chunk about to be forwarded; False when it must not be (the usage of
+        one leg of a spliced answer, which counts only that leg: rolegate sends its own)."""
         if chunk.content:
             self.texts.append(chunk.content)
         self.has_tool_calls = self.has_tool_calls or chunk.has_tool_calls
         self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.model = self.model or chunk.model
         if chunk.has_usage:
+            if self.spliced:
+                return chunk.has_content  # a usage-only chunk of one leg is dropped
             self.prompt_tokens = chunk.prompt_tokens
             self.completion_tokens = chunk.completion_tokens
+            self.usage_sent = True
+        return True
 
 
 class ClientStream:
     """One client's streamed response."""
 
-    def __init__(self, request: web.Request, headers: dict[str, str]) -> None:
+    def __init__(self, request: web.Request, headers: dict[str, str], chat: ChatRequest) -> None:
         self._request = request
         self._headers = headers
+        self._chat = chat
         self.response: web.StreamResponse | None = None
         self.delivered = Delivered()
         # The complete answer, ended by [DONE], has been written.
@@ -87,22 +105,32 @@ class ClientStream:
         if data:
             await self._guarded(self.response.write(data))
 
-    async def finish(self, data: bytes) -> None:
-        """The last bytes of the complete answer (its [DONE] among them)."""
-        await self.write(data)
+    def splice(self) -> None:
+        """A continuation takes over from what was delivered (SPEC B6, E5)."""
+        self.delivered.legs += 1
+
+    async def finish(self, data: bytes) -> bool:
+        """The last bytes of the complete answer, then the usage chunk the caller asked for
+        if no upstream sent it (or the answer was spliced), then `[DONE]`, which rolegate
+        writes whether or not the upstream sent one. True when the usage was estimated."""
+        delivered = self.delivered
+        estimate = self._chat.wants_usage and not delivered.usage_sent
+        if estimate:
+            data += estimated_usage_event(
+                self._headers.get("X-Request-Id", ""),
+                delivered.model,
+                delivered.prompt_tokens or self._chat.prompt_tokens,
+                delivered.content_deltas,
+            )
+            delivered.usage_sent = True
+        await self.write(data + DONE)
         self.complete = True
+        return estimate
 
     async def fail(self, message: str) -> None:
         """End a stream that broke after content reached the client: never a truncated answer
         presented as complete, an error event instead (SPEC E4)."""
-        event = {
-            "error": {
-                "message": message + "; the answer above is incomplete, retry the request",
-                "type": "upstream_error",
-                "code": "stream_incomplete",
-            }
-        }
-        await self.write(encode_event(event))
+        await self.write(incomplete_event(message))
 
     async def _guarded(self, write: object) -> None:
         try:

@@ -68,7 +68,7 @@ class Exchange:
     def client_stream(self) -> ClientStream:
         """The client's stream, made when the first streamed arm commits to it."""
         if self.client is None:
-            self.client = ClientStream(self.request, self.headers)
+            self.client = ClientStream(self.request, self.headers, self.chat)
         return self.client
 
     @property
@@ -289,10 +289,11 @@ class Exchange:
         self.record(end)
         self.failures.append(end)
 
-    def served(self, end: ArmEnd) -> None:
-        """The arm whose answer reached the client: recorded, and the request's outcome."""
+    def served(self, end: ArmEnd, *, recorded: bool = False) -> None:
+        """The arm whose answer reached the client: recorded (unless it was), and the
+        request's outcome."""
         self.services.recorder.served(
-            end, self.decision, self.chat.role.patience_seconds, self.config
+            end, self.decision, self.chat.role.patience_seconds, self.config, recorded=recorded
         )
 
     def _capped(self, finish_reason: str | None) -> bool:

@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from rolegate_policy.config import ProxyConfig
-from rolegate_policy.status import BreakerPhase
+from rolegate_policy.status import BreakerPhase, ProtocolQuirk
 
 from ..core.beliefs import MachineKey
 from ..core.exclusions import (
@@ -143,6 +143,24 @@ class ProxyMetrics:
             ["provider"],
             registry=self.registry,
         )
+        self.missing_done = Counter(
+            "rolegate_upstream_missing_done",
+            "Event streams that ended after their final chunk without data: [DONE] "
+            "(supplied to the client; never a fault).",
+            ["provider"],
+            registry=self.registry,
+        )
+        self.missing_usage = Counter(
+            "rolegate_upstream_missing_usage",
+            "Streams that sent no usage although the client asked (rolegate's estimate sent).",
+            ["provider"],
+            registry=self.registry,
+        )
+        self.quirks = {
+            ProtocolQuirk.MISSING_CHARSET: self.missing_charset,
+            ProtocolQuirk.MISSING_DONE: self.missing_done,
+            ProtocolQuirk.MISSING_USAGE: self.missing_usage,
+        }
         self.malformed_events = Counter(
             "rolegate_malformed_events",
             "Stream events skipped because their data was not UTF-8 JSON.",

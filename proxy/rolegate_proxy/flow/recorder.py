@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from rolegate_policy.config import ProxyConfig
+from rolegate_policy.status import ProtocolQuirk
 
 from ..core.arm_end import ArmEnd, Cause, arm_row, breaker_input, sighting
 from ..core.beliefs import Ledger, MachineKey
@@ -52,6 +53,8 @@ class Recorder:
         self.verdicts = verdicts
         self.metrics = metrics
         self.listeners: list[Callable[[Transition], None]] = []
+        # (provider, quirk) -> [answers that showed it, when last seen]: the status notes.
+        self._quirks: dict[tuple[str, ProtocolQuirk], list[float]] = {}
 
     def now(self) -> float:
         return time.monotonic()
@@ -74,9 +77,19 @@ class Recorder:
             # Affinity (SPEC B3): the machine that answered leads the role's next order.
             self.chooser.answered(decision.role, key)
 
-    def served(self, end: ArmEnd, decision: Decision, patience: float, config: ProxyConfig) -> None:
-        """The arm whose answer reached the client: recorded, and the request's outcome."""
-        self.record(end, decision, patience)
+    def served(
+        self,
+        end: ArmEnd,
+        decision: Decision,
+        patience: float,
+        config: ProxyConfig,
+        *,
+        recorded: bool = False,
+    ) -> None:
+        """The arm whose answer reached the client: recorded (unless it was, as a broken
+        stream whose rescue failed), and the request's outcome."""
+        if not recorded:
+            self.record(end, decision, patience)
         decision.served_provider = end.provider
         # The configured model name: bounded label values, and the key scores are kept by.
         decision.served_model = end.model
@@ -110,6 +123,22 @@ class Recorder:
                 at=time.time(),
             )
             self.verdicts.append(row)
+
+    def noticed(self, provider: str, quirk: ProtocolQuirk) -> None:
+        """A provider's answer departed from the protocol in a way rolegate repairs or
+        tolerates (SPEC A1, E4): counted and noted on its status, never a fault."""
+        self.metrics.quirks[quirk].labels(provider).inc()
+        seen = self._quirks.setdefault((provider, quirk), [0, 0.0])
+        seen[0] += 1
+        seen[1] = self.now()
+
+    def quirks_of(self, provider: str) -> dict[ProtocolQuirk, tuple[int, float]]:
+        """The quirks seen in `provider`'s answers: how many, and when last (monotonic)."""
+        return {
+            quirk: (int(seen[0]), seen[1])
+            for (name, quirk), seen in self._quirks.items()
+            if name == provider
+        }
 
     def act(self, role: str, act: Act, done: str) -> None:
         """A rate act and what was made of it: raced, continued, or kept."""

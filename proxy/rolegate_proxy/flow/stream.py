@@ -11,6 +11,7 @@ stream, or the client leaving (`ClientGone`, raised by the client stream).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -126,14 +127,28 @@ class Stop:
     cause: Cause = Cause.ANSWERED
     detail: str = ""
     act: Act | None = None
+    # A complete answer (DONE) whose `[DONE]` rolegate supplied, and whether the usage chunk
+    # the caller asked for was rolegate's estimate: quirks to note, never faults.
+    supplied_done: bool = False
+    usage_estimated: bool = False
 
 
-_DONE = Stop(StopKind.DONE)
+async def _next_items(reads: AsyncIterator[list[Item]]) -> list[Item] | None:
+    """The next read's items; None at the stream's clean end."""
+    try:
+        return await anext(reads)
+    except StopAsyncIteration:
+        return None
 
 
 @dataclass(slots=True)
 class Relay:
-    """Forwards one opened stream to the client, feeding its watch."""
+    """Forwards one opened stream to the client, feeding its watch.
+
+    Waiting for the next read is timed: the watch is asked again when it wants (a silence
+    is evidence, SPEC B5), and a stream that sends nothing the client would see (only
+    keep-alive comments, or nothing at all) for its silence bound has stalled, however
+    many bytes it sent."""
 
     opened: OpenedStream
     client: ClientStream
@@ -144,60 +159,111 @@ class Relay:
     may_move: bool = True
     # The rate acts that found nothing to move to: kept, and counted.
     kept: list[Act] = field(default_factory=list)
+    # The read in flight, kept across timer checks (a read cancelled midway would end the
+    # stream).
+    _pending: asyncio.Task[list[Item] | None] | None = None
+    # When content last reached the client (the start of the relay until the first).
+    _content_at: float | None = None
 
     async def run(self) -> Stop:
         """Forward until the answer is complete, the stream breaks, or it should move."""
+        if self._content_at is None:  # (a kept stream resumes with its own)
+            self._content_at = self.clock()
         if self.opened.held:
             held, self.opened.held = self.opened.held, []
             stop = await self._send(held, first=True)
             if stop is not None:
                 return stop
         while True:
-            try:
-                items = await anext(self.opened.reads)
-            except StopAsyncIteration:
-                return self._ended_early()
-            except TRANSPORT_ERRORS as error:
-                failure = failed_in_transport(error, self.silence, headers_in=True, content_in=True)
-                return Stop(StopKind.BROKE, failure.cause, failure.detail)
-            stop = await self._send(items, first=False)
+            got = await self._read()
+            if isinstance(got, Stop):
+                return got
+            if got is None:
+                return await self._ended()
+            stop = await self._send(got, first=False)
             if stop is not None:
                 return stop
 
-    def _ended_early(self) -> Stop:
-        if self.client.delivered.finish_reason is not None:
-            detail = "the upstream stream ended without its terminating [DONE] event"
-        else:
-            detail = "the upstream stream was cut before the answer finished"
-        return Stop(StopKind.BROKE, Cause.CUT, detail)
+    def close(self) -> None:
+        """Give up the read in flight (the stream moved, broke or lost its client)."""
+        if self._pending is not None and not self._pending.done():
+            self._pending.cancel()
+        self._pending = None
 
-    async def _send(self, items: list[Item], *, first: bool) -> Stop | None:
-        """One read's events, in one write. The first content's gap is the TTFT (the watch
-        took it when the stream opened), not a token gap."""
-        out = bytearray()
-        tokens = 0
-        for item in items:
-            if isinstance(item, Event):
-                out += item.raw
-                if item.is_done:
-                    await self.client.finish(bytes(out))
-                    return _DONE
-                continue
-            if item.error is not None:
-                await self.client.write(bytes(out))
-                code = f" ({item.error.code})" if item.error.code else ""
-                detail = f"the upstream reported an error mid-stream{code}"
-                return Stop(StopKind.BROKE, Cause.IN_BAND_ERROR, detail)
-            self.client.delivered.note(item)
-            tokens += 1 if item.content else 0
-            out += item.raw
-        await self.client.write(bytes(out))
-        if first or not tokens:
-            return None
-        act = self.watch.observe(self.clock(), tokens=tokens)
+    async def _read(self) -> list[Item] | Stop | None:
+        """The next read, or the Stop a wait ended in: a stall, or a rate act that moves."""
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(_next_items(self.opened.reads))
+        pending = self._pending
+        while True:
+            now = self.clock()
+            assert self._content_at is not None
+            stalled_at = self._content_at + self.silence.seconds
+            wake = stalled_at
+            check = self.watch.next_check(now)
+            if check is not None:
+                wake = min(wake, check)
+            done, _ = await asyncio.wait({pending}, timeout=max(wake - now, 0.0))
+            if done:
+                self._pending = None
+                try:
+                    return pending.result()
+                except TRANSPORT_ERRORS as error:
+                    failure = failed_in_transport(
+                        error, self.silence, headers_in=True, content_in=True
+                    )
+                    return Stop(StopKind.BROKE, failure.cause, failure.detail)
+            now = self.clock()
+            if now >= stalled_at:
+                self.close()
+                detail = f"sent nothing to show for {self.silence.seconds:g} s mid-answer"
+                return Stop(StopKind.BROKE, Cause.STALL, detail)
+            stop = self._acted(self.watch.observe(now))
+            if stop is not None:
+                return stop
+
+    def _acted(self, act: Act | None) -> Stop | None:
         if act is None:
             return None
         if self.may_move and act.movable and act.alternative is not None:
             return Stop(StopKind.MOVE, Cause.MOVED, act=act)
         self.kept.append(act)
         return None
+
+    async def _ended(self) -> Stop:
+        """The upstream ended its stream cleanly. After the final chunk (its finish reason)
+        the answer is complete: a missing `[DONE]` is supplied. Before it, a cut."""
+        if self.client.delivered.finish_reason is not None:
+            estimated = await self.client.finish(b"")
+            return Stop(StopKind.DONE, supplied_done=True, usage_estimated=estimated)
+        return Stop(
+            StopKind.BROKE, Cause.CUT, "the upstream stream was cut before the answer finished"
+        )
+
+    async def _send(self, items: list[Item], *, first: bool) -> Stop | None:
+        """One read's events, in one write. The first content's gap is the TTFT (the watch
+        took it when the stream opened), not a token gap."""
+        out = bytearray()
+        tokens = 0
+        delivered = self.client.delivered
+        for item in items:
+            if isinstance(item, Event):
+                if item.is_done:
+                    estimated = await self.client.finish(bytes(out))
+                    return Stop(StopKind.DONE, usage_estimated=estimated)
+                out += item.raw
+                continue
+            if item.error is not None:
+                await self.client.write(bytes(out))
+                code = f" ({item.error.code})" if item.error.code else ""
+                detail = f"the upstream reported an error mid-stream{code}"
+                return Stop(StopKind.BROKE, Cause.IN_BAND_ERROR, detail)
+            if delivered.note(item):
+                out += item.raw
+            tokens += 1 if item.content else 0
+        await self.client.write(bytes(out))
+        if tokens:
+            self._content_at = self.clock()
+        if first or not tokens:
+            return None
+        return self._acted(self.watch.observe(self.clock(), tokens=tokens))

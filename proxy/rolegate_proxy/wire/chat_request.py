@@ -83,6 +83,12 @@ class ChatRequest:
         )
 
     @property
+    def wants_usage(self) -> bool:
+        """A stream whose caller asked for a usage chunk (`stream_options.include_usage`)."""
+        options = self.body.get("stream_options")
+        return self.stream and isinstance(options, dict) and options.get("include_usage") is True
+
+    @property
     def prompt_is_ascii(self) -> bool:
         return self.prompt.is_ascii
 

@@ -1,0 +1,142 @@
+"""Making and opening the streamed arms of one request: what the first content's race
+(`serving.py`) and the delivery's moves and rescues (`delivery.py`) both need."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import Protocol, TypeVar
+
+from rolegate_policy.config import ProxyConfig
+from rolegate_policy.status import ProtocolQuirk
+
+from ..core.arm_end import ArmEnd
+from ..core.beliefs import MachineKey
+from ..core.chooser import Plan
+from ..core.decisions import Decision
+from ..core.outcomes import ArmAct
+from ..core.routing import Attempt
+from ..core.watch import Watch
+from ..wire.chat_request import ChatRequest
+from .arms import ArmRun, StreamHooks, open_stream
+from .client_stream import ClientStream
+from .services import Services
+from .stream import OpenedStream
+from .upstream import Silence
+
+T = TypeVar("T")
+
+
+class Host(Protocol):
+    """What a streamed arm needs of its exchange."""
+
+    @property
+    def services(self) -> Services: ...
+
+    @property
+    def chat(self) -> ChatRequest: ...
+
+    @property
+    def config(self) -> ProxyConfig: ...
+
+    @property
+    def decision(self) -> Decision: ...
+
+    @property
+    def deadline(self) -> float: ...
+
+    def client_stream(self) -> ClientStream: ...
+
+    def onward(self, provider: str, model: str, machine: str) -> Attempt | None: ...
+
+    def record(self, end: ArmEnd) -> None: ...
+
+    def fail(self, end: ArmEnd) -> None: ...
+
+    def served(self, end: ArmEnd, *, recorded: bool = False) -> None: ...
+
+    async def send_fresh_once(self, run: ArmRun, send: Callable[[bool], Awaitable[T]]) -> T: ...
+
+
+@dataclass(slots=True)
+class Leg:
+    """The arm serving the client now, and its stream."""
+
+    run: ArmRun
+    opened: OpenedStream | None = None
+    # Its end is recorded (a stream that broke after content): the client leaving while
+    # it is told so ends nothing more.
+    recorded: bool = False
+
+
+class StreamArms:
+    """Streamed arms of one request: each with its watch, each opened up to its first
+    content."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.services = host.services
+        self.now = host.services.now
+
+    def plan(self) -> Plan:
+        """The request's plan now: every candidate's admitted machines."""
+        services, chat = self.services, self.host.chat
+        candidates = services.candidates(chat.role, self.host.config)
+        return services.chooser.plan(chat.role, candidates, services.breakers.exclusion, self.now())
+
+    def run(
+        self, attempt: Attempt, budget: float, act: ArmAct | None = None, delivered: int = 0
+    ) -> ArmRun:
+        """An arm about to be sent, with the mid-stream rate test (SPEC B5) against the
+        request's frontier; `delivered`: content deltas earlier arms delivered."""
+        now = self.now()
+        run = ArmRun(attempt, now, True, Silence.for_arm(attempt, budget, stream=True), act)
+        key = self.key(run)
+        run.watch = Watch(
+            self.host.chat.role,
+            sent_at=run.started,
+            started_at=self.host.decision.started_at,
+            serving=key,
+            belief=None if key is None else self.services.recorder.ledger.belief_of(key, now),
+            frontier=self.plan().frontier(),
+            streams_to_client=True,
+            delivered=delivered,
+        )
+        return run
+
+    @staticmethod
+    def key(run: ArmRun) -> MachineKey | None:
+        machine = run.machine
+        attempt = run.attempt
+        return (
+            None
+            if machine is None
+            else MachineKey(attempt.provider.name, attempt.model.name, machine)
+        )
+
+    async def open(self, run: ArmRun, chat: ChatRequest) -> OpenedStream:
+        """Send the arm and hold it until its first content (raises ArmFailed)."""
+        recorder = self.services.recorder
+        provider = run.attempt.provider.name
+
+        def named(machine: str) -> None:
+            run.named = machine
+            key = self.key(run)
+            if run.watch is not None and key is not None and key != run.watch.serving:
+                run.watch.identify(key, recorder.ledger.belief_of(key, self.now()))
+
+        hooks = StreamHooks(
+            clock=self.now,
+            named=named,
+            malformed=recorder.metrics.malformed_events.labels(provider).inc,
+            missing_charset=lambda: recorder.noticed(provider, ProtocolQuirk.MISSING_CHARSET),
+        )
+        opened = await self.host.send_fresh_once(
+            run,
+            lambda fresh: open_stream(
+                self.services.upstreams, run, chat, replace(hooks, fresh=fresh)
+            ),
+        )
+        if run.watch is not None and not opened.empty:
+            run.watch.observe(opened.first_at, tokens=1)
+        return opened
