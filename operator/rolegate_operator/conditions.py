@@ -29,7 +29,8 @@ MAX_MESSAGE: Final = 32768
 # Status fields other than conditions the operator owns (RoleTable only).
 ROLE_COUNT: Final = "roleCount"
 EFFECTIVE_RULINGS: Final = "effectiveRulings"
-_OWNED_FIELDS: Final = ("observedGeneration", ROLE_COUNT, EFFECTIVE_RULINGS)
+RULINGS: Final = "rulings"
+_OWNED_FIELDS: Final = ("observedGeneration", ROLE_COUNT, EFFECTIVE_RULINGS, RULINGS)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any, Final
 from rolegate_operator.conditions import (
     EFFECTIVE_RULINGS,
     ROLE_COUNT,
+    RULINGS,
     DesiredCondition,
     OwnedStatus,
 )
@@ -42,7 +43,12 @@ from rolegate_policy.config import (
 from rolegate_policy.field_errors import shorten
 from rolegate_policy.manifests import Manifest, manifest_from_object
 from rolegate_policy.model import ROLE_TABLE_KIND
-from rolegate_policy.status import ACCEPTED, ConditionStatus
+from rolegate_policy.status import (
+    ACCEPTED,
+    ConditionStatus,
+    EffectiveRulingStatus,
+    rulings_summary,
+)
 from rolegate_policy.verdicts import AcceptedReason, CompileResult, EffectiveRuling, ResourceVerdict
 
 # Rejections caused by the resource alone, whatever the other resources say.
@@ -187,15 +193,22 @@ def _outcome(
         # Both describe the evaluated generation (observedGeneration), like the condition.
         roles = resource.spec.get("roles")
         extra[ROLE_COUNT] = len(roles) if isinstance(roles, list) else 0
-        extra[EFFECTIVE_RULINGS] = [
-            {
-                "role": ruling.role,
-                "declared": ruling.declared.value,
-                "effective": ruling.effective.value,
-                "reason": shorten(ruling.reason, _RULING_REASON_LIMIT),
-            }
+        statuses = [
+            EffectiveRulingStatus(
+                role=ruling.role,
+                declared=ruling.declared,
+                effective=ruling.effective,
+                reason=shorten(ruling.reason, _RULING_REASON_LIMIT),
+                declared_delivery=ruling.declared_delivery,
+                delivery=ruling.delivery,
+            )
             for ruling in rulings
         ]
+        extra[EFFECTIVE_RULINGS] = [
+            status.model_dump(mode="json", by_alias=True) for status in statuses
+        ]
+        if statuses:
+            extra[RULINGS] = rulings_summary(statuses)
     status = OwnedStatus(observed_generation=resource.generation, accepted=condition, extra=extra)
     return ResourceFate(key=resource.key, uid=resource.uid, status=status, served_generation=served)
 

@@ -58,7 +58,7 @@ from rolegate_policy.model import (
     parse_spec,
 )
 from rolegate_policy.report import format_report, render_json
-from rolegate_policy.rulings import resolve_ruling, seconds
+from rolegate_policy.rulings import resolve_delivery, resolve_ruling, seconds
 from rolegate_policy.verdicts import (
     AcceptedReason,
     CompileResult,
@@ -432,12 +432,17 @@ class _RoleStage:
                     ruling_reason=ruling.reason,
                     expected_output_tokens=role.expected_output_tokens,
                     quality_tolerance=role.quality_tolerance,
+                    delivery=ruling.delivery,
+                    retry=role.retry,
                 )
             )
             self.claimed_by[role.name] = manifest
         summary = (
             f"{_count(len(spec.roles), 'role')} ("
-            + ", ".join(f"{ruling.role} → {ruling.effective.value}" for ruling in rulings)
+            + ", ".join(
+                f"{ruling.role} → {ruling.effective.value}, {ruling.delivery.value}"
+                for ruling in rulings
+            )
             + ")"
         )
         return _verdict(
@@ -485,7 +490,11 @@ def _effective_ruling(role: RoleSpec, spec: RoleTableSpec) -> EffectiveRuling:
     effective, reason = resolve_ruling(
         role.ruling, role.visibility, role.patience_seconds, spec.auto_only_below_seconds
     )
-    return EffectiveRuling(role=role.name, declared=role.ruling, effective=effective, reason=reason)
+    delivery, delivery_reason = resolve_delivery(role.delivery, role.visibility)
+    return EffectiveRuling(
+        role=role.name, declared=role.ruling, effective=effective, reason=reason,
+        declared_delivery=role.delivery, delivery=delivery, delivery_reason=delivery_reason,
+    )  # fmt: skip
 
 
 def _no_served_model(index: int, role: RoleSpec) -> FieldError:

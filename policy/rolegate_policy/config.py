@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rolegate_policy.enums import Dialect, Ruling, Visibility
-from rolegate_policy.model import BreakerSpec, DegradedOutputSpec, TimeoutsSpec
+from rolegate_policy.enums import Delivery, Dialect, Ruling, Visibility
+from rolegate_policy.model import BreakerSpec, DegradedOutputSpec, RetrySpec, TimeoutsSpec
 
 CONFIG_FORMAT_VERSION = 1
 
@@ -76,6 +76,10 @@ class CompiledRole(Frozen):
     expected_output_tokens: int
     # Operational scores this close count as equal quality; cost breaks the tie (SPEC C5).
     quality_tolerance: float = 0.05
+    # `Auto` resolved to `Live` or `Buffered` (SPEC E5).
+    delivery: Delivery = Delivery.LIVE
+    # The spec model itself: its defaults are the defaults, stated once.
+    retry: RetrySpec = RetrySpec()
 
 
 class ProxyConfig(Frozen):

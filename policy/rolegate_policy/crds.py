@@ -104,6 +104,12 @@ RESOURCES: Final = (
                 "jsonPath": ".status.roleCount",
                 "description": "Number of roles in the table.",
             },
+            {
+                "name": "Rulings",
+                "type": "string",
+                "jsonPath": ".status.rulings",
+                "description": "Each role's effective ruling and delivery.",
+            },
             _ACCEPTED_COLUMN,
             _AGE_COLUMN,
         ),

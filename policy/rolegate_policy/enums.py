@@ -16,6 +16,12 @@ class Ruling(StrEnum):
     AUTO = "Auto"
 
 
+class Delivery(StrEnum):
+    LIVE = "Live"
+    BUFFERED = "Buffered"
+    AUTO = "Auto"
+
+
 class Dialect(StrEnum):
     # A plain OpenAI-compatible server (vLLM, llama.cpp, a direct host): one machine.
     OPENAI = "OpenAI"

@@ -29,7 +29,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from rolegate_policy.enums import Dialect, Ruling, TransportScope, Visibility
+from rolegate_policy.enums import Delivery, Dialect, Ruling, TransportScope, Visibility
 from rolegate_policy.field_errors import Loc, SpecRuleError, register_pattern_hint, shorten
 
 ROLE_TABLE_KIND: Final = "RoleTable"
@@ -124,6 +124,75 @@ def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, An
 # RoleTable --------------------------------------------------------------------------
 
 
+class RetrySpec(SpecModel):
+    """How a role's request retries before it moves on, and how long it pauses between
+    attempts. Every wait stays within the role's patience."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "!has(self.maxBackoffSeconds) || !has(self.backoffSeconds) || "
+                    "self.maxBackoffSeconds >= self.backoffSeconds",
+                    "`maxBackoffSeconds` must be at least `backoffSeconds`",
+                    ".maxBackoffSeconds",
+                ),
+            ]
+        }
+    )
+
+    attempts_per_model: int = Field(
+        default=2,
+        ge=1,
+        le=10,
+        description=(
+            "Attempts at one model on one provider (any of its machines) before that model's "
+            "next provider or the role's next model is tried. A transient failure (a 5xx, a reset, a timeout) is retried "
+            "on the same model, avoiding the machine that failed when an aggregator named it; "
+            "a 429 is retried after its Retry-After when that fits the remaining patience. A "
+            "400 is never resent unchanged."
+        ),
+    )
+    max_attempts: int = Field(
+        default=8,
+        ge=1,
+        le=32,
+        description=(
+            "Attempts of one request in all, across models (a pooled connection the upstream "
+            "had closed, sent again at once, is not one)."
+        ),
+    )
+    backoff_seconds: float = Field(
+        default=0.05,
+        ge=0,
+        le=60,
+        description=(
+            "Pause before the second attempt; it doubles with each failure, up to "
+            "maxBackoffSeconds, and is jittered to between half and all of it."
+        ),
+    )
+    max_backoff_seconds: float = Field(
+        default=1.0,
+        ge=0,
+        le=300,
+        description="Longest pause between two attempts.",
+    )
+
+    @model_validator(mode="after")
+    def _backoff_ordered(self) -> RetrySpec:
+        if self.max_backoff_seconds < self.backoff_seconds:
+            raise SpecRuleError(
+                [
+                    (
+                        ("maxBackoffSeconds",),
+                        f"must be at least backoffSeconds ({self.backoff_seconds:g}); raise "
+                        "it or lower backoffSeconds",
+                    )
+                ]
+            )
+        return self
+
+
 class RoleSpec(SpecModel):
     """One class of caller traffic: the models that may serve it and how long it waits."""
 
@@ -182,6 +251,20 @@ class RoleSpec(SpecModel):
             "`Only` when the role is Unwatched and patienceSeconds is under the table's "
             "autoOnlyBelowSeconds, `Order` otherwise."
         ),
+    )
+    delivery: Delivery = Field(
+        default=Delivery.AUTO,
+        description=(
+            "How a streamed answer reaches the caller. `Live`: as it arrives (a person reads "
+            "it). `Buffered`: held until complete and judged, so an empty, mangled, cut or "
+            "stalled answer is replaced invisibly by a retry or a fallback; a streaming "
+            "caller receives SSE comments meanwhile, then the whole verified answer. `Auto`: "
+            "`Buffered` exactly when the role is Unwatched."
+        ),
+    )
+    retry: RetrySpec = Field(
+        default_factory=RetrySpec,
+        description="Attempts per model and in all, and the pause between attempts.",
     )
     expected_output_tokens: int = Field(
         default=512,

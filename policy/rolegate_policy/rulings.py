@@ -1,4 +1,4 @@
-"""How a role's declared fallback ruling resolves (SPEC B4).
+"""How a role's declared fallback ruling (SPEC B4) and delivery (SPEC E5) resolve.
 
 `Order` asks an aggregator for a ranking with fallbacks allowed: a slow answer beats no
 answer. `Only` demands exactly the admitted machines: a busy pool becomes a refusal.
@@ -9,6 +9,7 @@ when nobody watches the stream (the whole call is dead time) and the deadline is
 from __future__ import annotations
 
 from rolegate_policy.enums import (
+    Delivery,
     Ruling,
     Visibility,
 )
@@ -39,6 +40,20 @@ def resolve_ruling(
     return Ruling.ORDER, (
         f"Auto: Unwatched but patience {patience} is not under the {threshold} threshold, "
         "so a slow answer beats no answer (Order)"
+    )
+
+
+def resolve_delivery(declared: Delivery, visibility: Visibility) -> tuple[Delivery, str]:
+    """The effective delivery (`Live` or `Buffered`) and a sentence saying why: `Auto`
+    holds the answer until it is complete and judged exactly when nobody reads it as it
+    arrives."""
+    if declared is not Delivery.AUTO:
+        return declared, DECLARED
+    if visibility is Visibility.WATCHED:
+        return Delivery.LIVE, "Auto: Watched, so a person reads the answer as it arrives (Live)"
+    return Delivery.BUFFERED, (
+        "Auto: Unwatched, so the answer is held until complete and judged, and a broken one "
+        "is replaced unseen (Buffered)"
     )
 
 

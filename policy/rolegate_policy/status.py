@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from rolegate_policy.enums import (
+    Delivery,
     Ruling,
 )
 from rolegate_policy.model import DNS_SUBDOMAIN_PATTERN, ROLE_NAME_PATTERN, ModelName
@@ -119,6 +120,26 @@ class EffectiveRulingStatus(StatusModel):
         max_length=1024,
         description="Why the effective ruling is what it is, as a sentence.",
     )
+    declared_delivery: Delivery = Field(
+        default=Delivery.AUTO,
+        description="The delivery the spec declares: `Live`, `Buffered` or `Auto`.",
+    )
+    delivery: Literal[Delivery.LIVE, Delivery.BUFFERED] = Field(
+        default=Delivery.LIVE,
+        description=(
+            "The delivery the proxy applies: `Live` or `Buffered` (what `Auto` resolved to)."
+        ),
+    )
+
+
+MAX_RULINGS_SUMMARY: Final = 256
+
+
+def rulings_summary(rulings: list[EffectiveRulingStatus]) -> str:
+    """`agent Order/Live, batch Only/Buffered`: each role's effective ruling and delivery,
+    for `kubectl get roletables` (cut short with an ellipsis when long)."""
+    text = ", ".join(f"{r.role} {r.effective.value}/{r.delivery.value}" for r in rulings)
+    return text if len(text) <= MAX_RULINGS_SUMMARY else text[: MAX_RULINGS_SUMMARY - 1] + "…"
 
 
 class RoleTableStatus(StatusModel):
@@ -151,7 +172,16 @@ class RoleTableStatus(StatusModel):
             "x-kubernetes-list-map-keys": ["role"],
         },
         description=(
-            "Each role's effective ruling, so a reviewer of a change sees what `Auto` resolved to."
+            "Each role's effective ruling and delivery, so a reviewer of a change sees what "
+            "`Auto` resolved to."
+        ),
+    )
+    rulings: str | None = Field(
+        default=None,
+        max_length=MAX_RULINGS_SUMMARY,
+        description=(
+            "Each role's effective ruling and delivery in one line, for `kubectl get` "
+            "(e.g. `agent Order/Live, batch Only/Buffered`)."
         ),
     )
 

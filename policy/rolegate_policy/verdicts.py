@@ -16,6 +16,7 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 from rolegate_policy.enums import (
+    Delivery,
     Ruling,
 )
 from rolegate_policy.field_errors import FieldError
@@ -41,12 +42,16 @@ class _Record(BaseModel):
 
 
 class EffectiveRuling(_Record):
-    """What a role's declared ruling resolved to, so a reviewer sees what `Auto` means."""
+    """What a role's declared ruling and delivery resolved to, so a reviewer sees what
+    `Auto` means."""
 
     role: str
     declared: Ruling
     effective: Ruling
     reason: str
+    declared_delivery: Delivery = Delivery.AUTO
+    delivery: Delivery = Delivery.LIVE
+    delivery_reason: str = ""
 
 
 class ResourceVerdict(_Record):

@@ -149,11 +149,19 @@ def test_resources_compile_into_the_configmap_and_are_accepted(
     assert [
         (r["role"], r["declared"], r["effective"]) for r in shown["status"]["effectiveRulings"]
     ] == [("agent", "Auto", "Order"), ("reflex", "Auto", "Only")]
+    assert [
+        (r["declaredDelivery"], r["delivery"]) for r in shown["status"]["effectiveRulings"]
+    ] == [
+        ("Auto", "Live"),
+        ("Auto", "Buffered"),
+    ]
+    assert shown["status"]["rulings"] == "agent Order/Live, reflex Only/Buffered"
     reflex_reason = shown["status"]["effectiveRulings"][1]["reason"]
     assert "Unwatched and patience 4s is under the 10s threshold" in reflex_reason
     # And `kubectl get` prints the columns from it.
     table = cluster.plane.kubectl("-n", cluster.namespace, "get", "rt", "roles-a").stdout
-    assert table.split("\n")[1].split()[:3] == ["roles-a", "2", "True"]
+    assert table.split("\n")[1].split()[:5] == ["roles-a", "2", "agent", "Order/Live,", "reflex"]
+    assert "True" in table.split("\n")[1].split()
 
 
 def test_an_invalid_edit_is_reported_and_the_last_good_configuration_stays(

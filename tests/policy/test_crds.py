@@ -108,7 +108,7 @@ def test_crd_names_scope_versions_and_columns(resource: Resource) -> None:
     assert root["description"].startswith(resource.kind)
     columns = [column["name"] for column in version["additionalPrinterColumns"]]
     expected = {
-        "RoleTable": ["Roles", "Accepted", "Age"],
+        "RoleTable": ["Roles", "Rulings", "Accepted", "Age"],
         "ProviderPolicy": ["Endpoint", "Accepted", "Tripped", "Scope", "Reason", "Age"],
     }
     assert columns == expected[resource.kind]

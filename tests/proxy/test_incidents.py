@@ -12,6 +12,7 @@ import aiohttp
 import httpx
 import pytest
 
+from rolegate_policy.model import RetrySpec
 from rolegate_policy.status import BreakerPhase
 from rolegate_proxy.core.exclusions import (
     BreakerKey,
@@ -294,4 +295,5 @@ async def test_attempts_are_bounded_when_everything_fails(
             f"{proxy.url}/v1/chat/completions", json={"model": "agent", "messages": ASCII}
         )
     assert response.status_code == 502
-    assert len(await sim_records(sim.url)) == 6  # three machines of each model, then stop
+    # attemptsPerModel machines of each model (each avoiding the one before), then stop.
+    assert len(await sim_records(sim.url)) == 2 * RetrySpec().attempts_per_model

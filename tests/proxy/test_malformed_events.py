@@ -20,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rolegate_proxy.flow.exchange import BACKOFF_FIRST
+from rolegate_policy.model import RetrySpec
 
 from ..support import (
     ProxyFactory,
@@ -218,6 +218,7 @@ async def test_the_attempts_of_one_request_are_a_backoff_apart(
     ]
     arrivals = [r["arrived_monotonic"] for r in records]
     gaps = [later - earlier for earlier, later in itertools.pairwise(arrivals)]
-    # After the n-th failure the pause is at least BACKOFF_FIRST * 2**(n-1) * 0.5.
-    floors = [BACKOFF_FIRST * 2**n * 0.5 for n in range(len(gaps))]
+    # After the n-th failure the pause is at least backoffSeconds * 2**(n-1) * 0.5.
+    first = RetrySpec().backoff_seconds
+    floors = [first * 2**n * 0.5 for n in range(len(gaps))]
     assert all(gap >= floor for gap, floor in zip(gaps, floors, strict=True)), (gaps, floors)

@@ -225,6 +225,27 @@ async def test_case_3_rulings_refusals_and_unknown_machines(
 async def test_case_3_an_empty_admitted_set_falls_back_to_order(
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
+    """Under `Order` (a slow answer beats none) an empty admitted set is sent as an
+    `order` of the slow machines, never an empty `only`."""
+    sim = await sim_server({"seed": 1, "models": [{"name": MODEL, "reply": "ok",
+                                                   "machines": [{"name": "slow"}]}]})  # fmt: skip
+    proxy = await proxy_server(
+        [
+            _policy(sim.url, [{"name": "slow", "ttftSeconds": 3, "tokensPerSecond": 20}]),
+            role_table(role("reflex", [MODEL], patience=4, visibility="Watched")),
+        ]
+    )
+    assert await _stream_text(proxy.url, "reflex") == "ok"
+    (record,) = await sim_records(sim.url)
+    assert record["provider"]["order"] == ["slow"]
+    assert not record["provider"].get("only")
+
+
+async def test_case_3_under_only_an_empty_admitted_set_is_refused_at_once(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    """`Only` (Auto: Unwatched, short patience) demands the admitted set: a pool too slow
+    is a 503 at once, naming the role, its patience and the fastest machine believed."""
     sim = await sim_server({"seed": 1, "models": [{"name": MODEL, "reply": "ok",
                                                    "machines": [{"name": "slow"}]}]})  # fmt: skip
     proxy = await proxy_server(
@@ -233,7 +254,15 @@ async def test_case_3_an_empty_admitted_set_falls_back_to_order(
             role_table(role("reflex", [MODEL], patience=4, visibility="Unwatched")),
         ]
     )
-    assert await _stream_text(proxy.url, "reflex") == "ok"
-    (record,) = await sim_records(sim.url)
-    assert record["provider"]["order"] == ["slow"]
-    assert not record["provider"].get("only")
+    started = time.monotonic()
+    async with openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0) as c:
+        with pytest.raises(openai.InternalServerError) as caught:
+            await c.chat.completions.create(model="reflex", messages=PROMPT, stream=True)
+    assert time.monotonic() - started < 1.0
+    assert caught.value.status_code == 503
+    assert caught.value.code == "no_machine_within_patience"
+    message = str(caught.value)
+    assert "'reflex'" in message
+    assert "patience of 4 s" in message
+    assert "the fastest believed is slow serving" in message
+    assert await sim_records(sim.url) == []

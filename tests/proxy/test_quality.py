@@ -42,7 +42,15 @@ def _direct(name: str, url: str, *, price: float, **spec: Any) -> dict[str, Any]
 
 
 def _agent(tolerance: float = 0.05) -> dict[str, Any]:
-    return role_table({**role("agent", [MODEL], patience=30), "qualityTolerance": tolerance})
+    # One attempt per provider: a failure moves straight to the other provider, so which
+    # provider a request went to first is the score's doing alone.
+    return role_table(
+        {
+            **role("agent", [MODEL], patience=30),
+            "qualityTolerance": tolerance,
+            "retry": {"attemptsPerModel": 1},
+        }
+    )
 
 
 async def _two_providers(

@@ -183,9 +183,10 @@ async def test_a_failure_before_any_content_moves_to_the_next_model_unseen(
 async def test_every_upstream_rate_limited_is_a_429_with_retry_after(
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
+    # Retry-After longer than the patience: not waited out, the client hears at once.
     limited = {"kind": "rateLimit", "always": True, "retryAfterSeconds": 7}
     url, _ = await _proxy(
-        sim_server, proxy_server, [_machine("a1", limited)], [_machine("b1", limited)]
+        sim_server, proxy_server, [_machine("a1", limited)], [_machine("b1", limited)], patience=5
     )
     async with httpx.AsyncClient() as client:
         response = await client.post(f"{url}/v1/chat/completions", json={**GOOD, "model": "agent"})

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Final, TypeVar
 
 from aiohttp import web
 
 from rolegate_policy.config import ProxyConfig
+from rolegate_policy.enums import Ruling
 
 from ..core.arm_end import Answered, ArmEnd, Cause, RequestFault
 from ..core.breaker import Admission
@@ -32,20 +33,22 @@ from ..core.routing import Attempt, Candidate, MachineRouting, routes_machines
 from ..wire.chat_request import ChatRequest
 from .arms import ArmRun, Reply, complete, reply_response, verdict_on
 from .client_stream import ClientStream
-from .failures import exhausted, rejected
+from .failures import exhausted, refused_for_patience, rejected
 from .services import Services, served_headers
 from .serving import StreamServer
 from .upstream import ArmFailed, Silence, StaleConnection
 
 T = TypeVar("T")
 
-# Attempts on one candidate (each avoiding the machines that failed before) and in all.
-MAX_TRIES_PER_CANDIDATE = 3
-MAX_ATTEMPTS = 8
-BACKOFF_FIRST = 0.05
-BACKOFF_CAP = 1.0
+# Waiting out a Retry-After, this much longer than it says.
+RETRY_AFTER_MARGIN: Final = 0.02
 # The share of a role's patience one silent attempt may use while others could answer.
 IDLE_SHARE = 0.5
+# Causes worth another attempt at the same machine of a direct provider: the upstream
+# failed this once, not for the request (a timeout would spend the patience again).
+_TRANSIENT: Final = frozenset(
+    {Cause.HTTP_ERROR, Cause.REFUSED, Cause.CUT, Cause.IN_BAND_ERROR, Cause.MALFORMED}
+)
 
 
 @dataclass(slots=True)
@@ -59,7 +62,9 @@ class Exchange:
     # Every arm that produced nothing usable, in order.
     failures: list[ArmEnd] = field(default_factory=list)
     probes: list[Admission] = field(default_factory=list)
-    attempts_left: int = MAX_ATTEMPTS
+    # Attempts made, in all and per model on a provider (SPEC E5: the role's retry settings).
+    attempts: int = 0
+    per_model: dict[tuple[str, str], int] = field(default_factory=dict)
     client: ClientStream | None = None
     # How many failures there were at the last backoff: one pause per failure, however
     # the retry loops meet (a candidate's last try, then the next candidate).
@@ -100,7 +105,7 @@ class Exchange:
                     "the model's context is too small",
                 )  # fmt: skip
                 continue
-            last = index + 1 == len(candidates) and not candidate.is_aggregator
+            last = index + 1 == len(candidates)
             response = await self._candidate(candidate, last, skip_models)
             if response is not None:
                 self._note_refused(candidates[index + 1 :])
@@ -122,38 +127,73 @@ class Exchange:
     async def _candidate(
         self, candidate: Candidate, last: bool, skip_models: set[str]
     ) -> web.StreamResponse | None:
-        """Up to MAX_TRIES_PER_CANDIDATE attempts at one candidate."""
+        """Attempts at one candidate while its model has attempts left (SPEC E5): again
+        after a transient failure (on an aggregator, avoiding the machine that failed), after
+        a 429's Retry-After when it fits the patience; a 400 is never resent unchanged."""
         avoid: list[str] = []
-        for _ in range(MAX_TRIES_PER_CANDIDATE):
-            if self._out_of_time():
-                self.decision.skip(
-                    candidate.provider.name, candidate.model.name, None, self._stop_reason()
-                )
+        model = candidate.model.name
+        key = (candidate.provider.name, model)
+        while True:
+            if self._out_of_time() or self._model_spent(key):
+                why = self._stop_reason() if self._out_of_time() else "attempts per model spent"
+                self.decision.skip(candidate.provider.name, model, None, why)
                 return None
             attempt = self._admit(candidate, avoid)
             if attempt is None:
                 return None
-            self.attempts_left -= 1
-            remaining = self.deadline - self.services.now()
-            patience_share = self.chat.role.patience_seconds * IDLE_SHARE
-            budget = remaining if last else min(remaining, patience_share)
-            response = await self._try(attempt, budget)
+            self.attempts += 1
+            self.per_model[key] = self.per_model.get(key, 0) + 1
+            response = await self._try(attempt, self._budget(last, self._model_spent(key)))
             if response is not None:
                 return response
             failure = self.failures[-1]
             fault = _request_fault(failure)
             if fault is RequestFault.CONTEXT_LENGTH:
-                skip_models.add(candidate.model.name)
+                skip_models.add(model)
                 return None
             if fault is not None:
                 # About the request, not the machine: the caller gets it back.
                 raise rejected(failure, fault)
-            if failure.named and candidate.is_aggregator and failure.machine:
-                avoid.append(failure.machine)
-            else:
-                return None  # nothing narrower to avoid: the next candidate
-            await self._backoff()
-        return None
+            if not await self._again(candidate, failure, avoid):
+                return None
+
+    async def _again(self, candidate: Candidate, failure: ArmEnd, avoid: list[str]) -> bool:
+        """Whether the same candidate is tried again, after the pause that calls for."""
+        if self._model_spent((candidate.provider.name, candidate.model.name)):
+            return False
+        if self._out_of_time():
+            return False
+        wait = failure.retry_after
+        others = candidate.is_aggregator and bool(
+            set(candidate.machine_names()) - {*avoid, failure.machine}
+        )
+        if failure.status == 429 and not others:
+            # Nothing else serves this model here: its Retry-After is honoured, when the
+            # wait fits what is left of the patience.
+            if wait is None or self.services.now() + wait >= self.deadline:
+                return False
+            # (A hair past it: the breaker's exclusion for the 429 ends exactly then.)
+            await asyncio.sleep(wait + RETRY_AFTER_MARGIN)
+            self.paused_after = len(self.failures)
+            return True
+        if candidate.is_aggregator and failure.machine:
+            avoid.append(failure.machine)  # another machine of the same model
+        elif failure.cause not in _TRANSIENT:
+            return False  # nothing narrower to avoid: the next candidate
+        await self._backoff()
+        return True
+
+    def _budget(self, last: bool, final_try: bool) -> float:
+        """How long this arm may stay silent: all that is left of the patience for the
+        request's last attempt, else at most IDLE_SHARE of the patience."""
+        remaining = self.deadline - self.services.now()
+        if last and final_try:
+            return remaining
+        return min(remaining, self.chat.role.patience_seconds * IDLE_SHARE)
+
+    def _model_spent(self, key: tuple[str, str]) -> bool:
+        """The attempts at a model on a provider are spent (the role's attemptsPerModel)."""
+        return self.per_model.get(key, 0) >= self.chat.role.retry.attempts_per_model
 
     def _note_refused(self, untried: list[Candidate]) -> None:
         """The candidates an earlier one's answer made unnecessary: those a breaker refuses
@@ -167,7 +207,10 @@ class Exchange:
                 self.decision.skip(provider, model, None, refused.describe())
 
     def _out_of_time(self) -> bool:
-        return self.deadline - self.services.now() <= 0 or self.attempts_left <= 0
+        return (
+            self.deadline - self.services.now() <= 0
+            or self.attempts >= self.chat.role.retry.max_attempts
+        )
 
     def _stop_reason(self) -> str:
         if self.deadline - self.services.now() <= 0:
@@ -304,7 +347,9 @@ class Exchange:
         if self.paused_after == len(self.failures):
             return
         self.paused_after = len(self.failures)
-        delay = min(BACKOFF_CAP, BACKOFF_FIRST * 2 ** (max(len(self.failures), 1) - 1))
+        retry = self.chat.role.retry
+        first, cap = retry.backoff_seconds, retry.max_backoff_seconds
+        delay = min(cap, first * 2 ** (max(len(self.failures), 1) - 1))
         delay *= 0.5 + self.services.draw() / 2
         delay = min(delay, max(0.0, self.deadline - self.services.now()))
         if delay > 0:
@@ -318,6 +363,12 @@ class Exchange:
         plan = services.chooser.plan(
             self.chat.role, candidates, services.breakers.exclusion, services.now()
         )
+        if self.chat.role.effective_ruling is Ruling.ONLY:
+            # `Only` demands the admitted set: a pool too slow is a refusal, at once (B4).
+            error = refused_for_patience(self.chat, plan, self.decision)
+            if error is not None:
+                raise error
+            return None
         resort = plan.last_resort()
         if resort is None or self.deadline <= services.now():
             return None

@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 
 from ..core.arm_end import ArmEnd, RequestFault
+from ..core.chooser import Fate, Plan
 from ..core.decisions import Decision
 from ..core.outcomes import OutcomeKind
 from ..core.routing import Candidate
@@ -38,6 +39,37 @@ def rejected(end: ArmEnd, fault: RequestFault) -> ProxyError:
         f"HTTP {status}{detail}. It was not retried; change the request.",
         error_type="invalid_request_error",
         code=code,
+    )
+
+
+def refused_for_patience(chat: ChatRequest, plan: Plan, decision: Decision) -> ProxyError | None:
+    """An `Only` role none of whose machines may be sent to: 503 at once, naming the role,
+    its patience and the fastest machine believed (SPEC B4). None when something other
+    than patience refused them all (the usual account of skips says why)."""
+    role = chat.role
+    slow = [
+        (fate.expected_seconds, choice.key(fate.machine).describe())
+        for choice in plan.choices
+        for fate in choice.fates
+        if fate.fate is Fate.PATIENCE and fate.expected_seconds is not None
+    ]
+    if not slow:
+        return None
+    decision.outcome = OutcomeKind.FAILED
+    seconds, machine = min(slow)
+    fastest = (
+        f"the fastest believed is {machine}, at about {seconds:.1f} s for "
+        f"{role.expected_output_tokens} tokens"
+    )
+    skipped = decision.skipped_reasons()
+    why = f" Skipped: {'; '.join(skipped)}." if skipped else ""
+    return ProxyError(
+        503,
+        f"Role {role.name!r} (ruling Only) has no machine that may answer within its "
+        f"patience of {role.patience_seconds:g} s: {fastest}.{why} Raise patienceSeconds, "
+        "lower expectedOutputTokens, or use the Order ruling to accept a slow answer.",
+        error_type="service_unavailable",
+        code="no_machine_within_patience",
     )
 
 
