@@ -121,6 +121,10 @@ def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, An
     return rule_entry
 
 
+def _no_schema_default(schema: dict[str, Any]) -> None:
+    schema.pop("default", None)
+
+
 # RoleTable --------------------------------------------------------------------------
 
 
@@ -474,16 +478,24 @@ class BreakerSpec(SpecModel):
     )
 
     cooldown_seconds: float = Field(
-        default=30.0,
+        default=10.0,
         gt=0,
         le=86400,
         description="Seconds a first trip keeps the provider or model out before a re-probe.",
     )
     max_cooldown_seconds: float = Field(
-        default=600.0,
+        default=30.0,
         gt=0,
         le=86400,
-        description="Upper bound on the cooldown after repeated trips; at least cooldownSeconds.",
+        # No default in the schema: the API server would apply it before the CEL rule
+        # below, refusing a long cooldownSeconds that compile accepts (its cap follows it).
+        json_schema_extra=_no_schema_default,
+        description=(
+            "Upper bound on the cooldown after repeated trips; at least cooldownSeconds "
+            "(when omitted: 30, or cooldownSeconds if that is longer). It bounds how long a "
+            "recovered upstream waits to be noticed: one re-probe at most this often (with "
+            "jitter) while it stays down."
+        ),
     )
     backoff_multiplier: float = Field(
         default=2.0,
@@ -556,6 +568,19 @@ class BreakerSpec(SpecModel):
             "provider, empty answers the model."
         ),
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _cap_follows_a_long_cooldown(cls, data: Any) -> Any:
+        """An omitted maxCooldownSeconds is never below a cooldownSeconds that was given."""
+        if not isinstance(data, dict):
+            return data
+        given = data.get("cooldownSeconds", data.get("cooldown_seconds"))
+        if "maxCooldownSeconds" in data or "max_cooldown_seconds" in data:
+            return data
+        if isinstance(given, int | float) and not isinstance(given, bool) and given > 30.0:
+            return {**data, "maxCooldownSeconds": given}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> BreakerSpec:

@@ -178,7 +178,7 @@ def test_provider_defaults_map_onto_compiled_settings() -> None:
     assert spec.api_key_secret_ref is None
     assert spec.breaker == BreakerSpec()
     assert spec.breaker.transport_scope is TransportScope.PROVIDER
-    assert (spec.breaker.cooldown_seconds, spec.breaker.max_cooldown_seconds) == (30, 600)
+    assert (spec.breaker.cooldown_seconds, spec.breaker.max_cooldown_seconds) == (10, 30)
     assert (spec.breaker.rate_threshold, spec.breaker.rate_window) == (0.25, 100)
     assert spec.degraded_output.detect_empty
     assert spec.degraded_output.detect_mangled
@@ -349,8 +349,8 @@ def test_models_count_is_bounded() -> None:
     ("breaker", "fields"),
     [
         ({"cooldownSeconds": 0}, ["spec.breaker.cooldownSeconds"]),
-        ({"cooldownSeconds": 700}, ["spec.breaker.maxCooldownSeconds"]),
-        ({"maxCooldownSeconds": 10}, ["spec.breaker.maxCooldownSeconds"]),
+        ({"cooldownSeconds": 700, "maxCooldownSeconds": 600}, ["spec.breaker.maxCooldownSeconds"]),
+        ({"maxCooldownSeconds": 5}, ["spec.breaker.maxCooldownSeconds"]),
         ({"backoffMultiplier": 0.5}, ["spec.breaker.backoffMultiplier"]),
         ({"jitterFraction": 1.5}, ["spec.breaker.jitterFraction"]),
         ({"novelSignatureCount": 0}, ["spec.breaker.novelSignatureCount"]),

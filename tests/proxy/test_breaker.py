@@ -48,7 +48,10 @@ from rolegate_proxy.core.exclusions import (
 )
 from rolegate_proxy.core.verdicts import ASCII_PROMPT, PromptProfile, Verdict, judge, profile_texts
 
-NO_JITTER = BreakerSpec(jitter_fraction=0.0)
+# The schedule these tests are written against (the defaults are shorter: see
+# test_the_default_schedule_notices_a_recovery_within_half_a_minute).
+LONG = {"cooldown_seconds": 30.0, "max_cooldown_seconds": 600.0}
+NO_JITTER = BreakerSpec(jitter_fraction=0.0, **LONG)
 MOJIBAKE = bytes.fromhex("c3a2c280c294").decode("utf-8")  # a double-encoded em dash
 JAPANESE = profile_texts(["日本語で答えて"])
 
@@ -502,8 +505,18 @@ def test_the_cooldown_grows_exponentially_up_to_its_cap() -> None:
     assert _cooldowns(make(slow), 4) == pytest.approx([5, 15, 40, 40])
 
 
+def test_the_default_schedule_notices_a_recovery_within_half_a_minute() -> None:
+    """By default the cooldown grows 10, 20, 30 s and stays at 30 (SPEC A5: backoff
+    bounded so that recovery is noticed), jittered by a tenth."""
+    defaults = BreakerSpec()
+    assert _cooldowns(make(BreakerSpec(jitter_fraction=0)), 5) == pytest.approx(
+        [10, 20, 30, 30, 30]
+    )
+    assert defaults.max_cooldown_seconds * (1 + defaults.jitter_fraction) <= 33
+
+
 def test_jitter_stays_within_its_fraction_and_separates_replicas() -> None:
-    settings = BreakerSpec(jitter_fraction=0.1)
+    settings = BreakerSpec(jitter_fraction=0.1, **LONG)
     seen: list[list[float]] = []
     for seed in range(40):
         cooldowns = _cooldowns(make(settings, seed=seed), 7)

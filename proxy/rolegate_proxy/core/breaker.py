@@ -193,7 +193,12 @@ def _transport_key(outcome: Attempted, settings: BreakerSpec) -> BreakerKey:
     # A direct provider's one machine carries the provider's name: it is not a sub-provider.
     if outcome.machine is not None and outcome.machine != outcome.provider:
         return BreakerKey(outcome.provider, outcome.model, outcome.machine)
-    if settings.transport_scope is TransportScope.MODEL:
+    if settings.transport_scope is TransportScope.MODEL or (
+        outcome.transport is TransportFault.TIMEOUT
+    ):
+        # A slow answer is the model's (on this provider), never the whole provider's: the
+        # provider's other models answered at their own pace (SPEC E5).
+        return BreakerKey(outcome.provider, outcome.model)
         return BreakerKey(outcome.provider, outcome.model)
     return BreakerKey(outcome.provider)
 
