@@ -121,6 +121,14 @@ def _parser() -> argparse.ArgumentParser:
         "(default: 30; keep the pod's terminationGracePeriodSeconds above it)",
     )
     proxy.add_argument(
+        "--keepalive-seconds",
+        type=_positive_float,
+        default=5.0,
+        metavar="S",
+        help="for a role with Buffered delivery, send a streaming caller an SSE comment this "
+        "often while its answer is held (default: 5)",
+    )
+    proxy.add_argument(
         "--explore-share",
         type=_share,
         default=0.02,
@@ -320,6 +328,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         explore_share=args.explore_share,
         metrics_max_machines=args.metrics_max_machines,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
+        keepalive_seconds=args.keepalive_seconds,
     )
     serve(settings, config, source)
     return 0

@@ -121,7 +121,9 @@ def _cel(rule: str, message: str, field_path: str | None = None) -> dict[str, An
     return rule_entry
 
 
-def _no_schema_default(schema: dict[str, Any]) -> None:
+def derived_default(schema: dict[str, Any]) -> None:
+    """A field whose default depends on another field's value: the schema states none (the
+    API server would apply a fixed one), the model's validator derives it."""
     schema.pop("default", None)
 
 
@@ -151,8 +153,9 @@ class RetrySpec(SpecModel):
         le=10,
         description=(
             "Attempts at one model on one provider (any of its machines) before that model's "
-            "next provider or the role's next model is tried. A transient failure (a 5xx, a reset, a timeout) is retried "
-            "on the same model, avoiding the machine that failed when an aggregator named it; "
+            "next provider or the role's next model is tried. A transient failure (a 5xx, a "
+            "reset, a timeout) is retried on the same model, avoiding the machine that "
+            "failed when an aggregator named it; "
             "a 429 is retried after its Retry-After when that fits the remaining patience. A "
             "400 is never resent unchanged."
         ),
@@ -489,7 +492,7 @@ class BreakerSpec(SpecModel):
         le=86400,
         # No default in the schema: the API server would apply it before the CEL rule
         # below, refusing a long cooldownSeconds that compile accepts (its cap follows it).
-        json_schema_extra=_no_schema_default,
+        json_schema_extra=derived_default,
         description=(
             "Upper bound on the cooldown after repeated trips; at least cooldownSeconds "
             "(when omitted: 30, or cooldownSeconds if that is longer). It bounds how long a "

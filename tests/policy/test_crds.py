@@ -33,7 +33,7 @@ from rolegate_policy.crds import (
     render_crds,
     structural_schema,
 )
-from rolegate_policy.model import ProviderPolicySpec, RoleTableSpec, parse_spec
+from rolegate_policy.model import ProviderPolicySpec, RoleTableSpec, derived_default, parse_spec
 
 CRD_DIR = Path(__file__).parents[2] / "deploy" / "crds"
 BY_KIND = {resource.kind: resource for resource in RESOURCES}
@@ -340,7 +340,7 @@ def _assert_agrees(annotation: Any, metadata: list[Any], node: dict[str, Any], a
 
 
 def _assert_default_agrees(field: FieldInfo, node: dict[str, Any], at: str) -> None:
-    if field.is_required():
+    if field.is_required() or field.json_schema_extra is derived_default:
         assert "default" not in node, at
         return
     value = field.get_default(call_default_factory=True, validated_data={})
@@ -373,7 +373,8 @@ def _assert_model_agrees(model: type[BaseModel], node: dict[str, Any], at: str) 
         assert field.description, f"{path}: no description in the model"
         assert clean_description(field.description) in child["description"], path
         _assert_default_agrees(field, child, path)
-        field_extra = dict(field.json_schema_extra or {})  # type: ignore[arg-type]
+        extra_given = field.json_schema_extra
+        field_extra = {} if callable(extra_given) else dict(extra_given or {})
         metadata = list(field.metadata)
         if "pattern" in field_extra:  # a schema-only pattern: the model's validator enforces it
             metadata.append(StringConstraints(pattern=str(field_extra.pop("pattern"))))
@@ -438,6 +439,8 @@ def test_provider_policy_defaults_fill_every_nested_setting() -> None:
     defaulted = _apply_defaults(schema, {"endpoint": "https://h/v1", "models": [{"name": "m"}]})
     spec = parse_spec("ProviderPolicy", defaulted)
     assert isinstance(spec, ProviderPolicySpec)
-    assert defaulted["breaker"]["maxCooldownSeconds"] == spec.breaker.max_cooldown_seconds
+    # The cap's default follows cooldownSeconds: the schema leaves it to compile.
+    assert "maxCooldownSeconds" not in defaulted["breaker"]
+    assert spec.breaker.max_cooldown_seconds == 30
     assert defaulted["dialect"] == "OpenAI"
     assert set(defaulted["timeouts"]) == {"connectSeconds", "idleSeconds"}

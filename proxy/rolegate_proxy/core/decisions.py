@@ -42,6 +42,9 @@ class Decision:
     cost_usd: float | None = None
     # Monotonic time the first content byte was written to the client.
     first_content_at: float | None = None
+    # rolegate's error code when the error went out as an event (a buffered stream the
+    # keep-alives had committed), not as the response's status.
+    error_code: str | None = None
 
     @property
     def attempts(self) -> int:
@@ -101,7 +104,7 @@ class Decision:
             arms=tuple(self.arms),
             skipped=tuple(self.skips),
             config_hash=config_hash,
-            error_code=error_code,
+            error_code=error_code or self.error_code,
         )
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.outcomes import DEFAULT_CAPACITY
+from ..flow.client_stream import KEEPALIVE_SECONDS
 from ..flow.metrics import MAX_MACHINE_LABELS
 from .credentials import DEFAULT_SECRETS_DIR
 
@@ -45,3 +46,6 @@ class ProxySettings:
     # on the metrics, per provider; later ones share the label `other`. Configured
     # machines always keep theirs.
     metrics_max_machines: int = MAX_MACHINE_LABELS
+    # A buffered stream (a role nobody watches) sends its caller an SSE comment this often
+    # while the answer is held, so the caller's idle timers never fire.
+    keepalive_seconds: float = KEEPALIVE_SECONDS

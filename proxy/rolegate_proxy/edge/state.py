@@ -69,6 +69,7 @@ class ProxyState:
                 ScoreSettings(settings.score_full_confidence, settings.score_half_life)
             ),
             explore=settings.explore_share,
+            keepalive_seconds=settings.keepalive_seconds,
         )
         # The published figures are the ledger's prior (the sheet), reloaded with config.
         self.dispatcher.ledger.load_sheet(self.config)

@@ -12,13 +12,20 @@ an upstream does afterwards.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
+from typing import Final
 
 from aiohttp import web
 
 from ..wire.answers import Chunk
 from ..wire.chat_request import ChatRequest
-from ..wire.client import DONE, estimated_usage_event, incomplete_event
+from ..wire.client import DONE, KEEPALIVE, estimated_usage_event, incomplete_event
+from ..wire.errors import ProxyError
+from ..wire.sse import encode_event
+
+# How often a buffered stream tells its caller it is still being worked on.
+KEEPALIVE_SECONDS: Final = 5.0
 
 _STREAM_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -77,23 +84,51 @@ class Delivered:
 
 
 class ClientStream:
-    """One client's streamed response."""
+    """One client's streamed response, live or buffered (SPEC E5).
 
-    def __init__(self, request: web.Request, headers: dict[str, str], chat: ChatRequest) -> None:
+    Live: `start` commits the stream and every write goes out. Buffered (a role nobody
+    watches): writes are held until the answer is complete and judged, then `release`d
+    whole; a failed attempt's are `discard`ed unseen. Meanwhile `keep_alive` sends SSE
+    comments (every KEEPALIVE_SECONDS by default), committing the stream (without the
+    served headers, not yet known) the first time, so the caller's idle timers never
+    fire."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        headers: dict[str, str],
+        chat: ChatRequest,
+        *,
+        keepalive_seconds: float | None = None,
+    ) -> None:
+        """`keepalive_seconds`: buffered, with a comment this often; None: live."""
         self._request = request
         self._headers = headers
         self._chat = chat
+        self.buffered = keepalive_seconds is not None
+        self._keepalive = KEEPALIVE_SECONDS if keepalive_seconds is None else keepalive_seconds
         self.response: web.StreamResponse | None = None
         self.delivered = Delivered()
         # The complete answer, ended by [DONE], has been written.
         self.complete = False
+        # Buffered: the attempt's bytes so far, and the headers naming who served it.
+        self._held = bytearray()
+        self._served: dict[str, str] = {}
+        self._released = False
 
     @property
     def started(self) -> bool:
         return self.response is not None
 
     async def start(self, served_headers: dict[str, str]) -> None:
-        """Commit to the client: the status line and headers go out."""
+        """Commit to the client: the status line and headers go out (buffered: when the
+        answer is released, unless keep-alives committed the stream before)."""
+        if self.buffered:
+            self._served = served_headers
+            return
+        await self._commit(served_headers)
+
+    async def _commit(self, served_headers: dict[str, str]) -> None:
         response = web.StreamResponse(
             headers={**self._headers, **served_headers, **_STREAM_HEADERS}
         )
@@ -101,9 +136,42 @@ class ClientStream:
         await self._guarded(response.prepare(self._request))
 
     async def write(self, data: bytes) -> None:
+        if self.buffered and not self._released:
+            self._held += data
+            return
         assert self.response is not None, "start() commits the stream first"
         if data:
             await self._guarded(self.response.write(data))
+
+    async def keep_alive(self) -> None:
+        """Buffered: an SSE comment every so often until the answer is released."""
+        while not self._released:
+            await asyncio.sleep(self._keepalive)
+            if self._released:
+                return
+            if self.response is None:
+                await self._commit({})
+            assert self.response is not None
+            await self._guarded(self.response.write(KEEPALIVE))
+
+    async def release(self) -> None:
+        """Buffered: the complete, judged answer goes out whole."""
+        self._released = True
+        if self.response is None:
+            await self._commit(self._served)
+        held, self._held = bytes(self._held), bytearray()
+        await self.write(held)
+
+    def discard(self) -> None:
+        """Buffered: a failed attempt's answer is dropped unseen; the next starts afresh."""
+        self._held = bytearray()
+        self.delivered = Delivered()
+        self.complete = False
+
+    @property
+    def holding(self) -> bool:
+        """An attempt's answer is being held (buffered, not yet released)."""
+        return self.buffered and not self._released
 
     def splice(self) -> None:
         """A continuation takes over from what was delivered (SPEC B6, E5)."""
@@ -131,6 +199,13 @@ class ClientStream:
         """End a stream that broke after content reached the client: never a truncated answer
         presented as complete, an error event instead (SPEC E4)."""
         await self.write(incomplete_event(message))
+
+    async def refuse(self, error: ProxyError) -> None:
+        """End a stream committed by keep-alives with rolegate's error, as an event (its
+        status line, 200, is long gone)."""
+        self._released = True
+        assert self.response is not None
+        await self.write(encode_event(error.payload()))
 
     async def _guarded(self, write: object) -> None:
         try:

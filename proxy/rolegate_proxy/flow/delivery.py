@@ -55,12 +55,14 @@ class Delivery:
         # The end of a leg that broke, recorded when its rescue began.
         self.broken: ArmEnd | None = None
 
-    async def deliver(self, client: ClientStream) -> web.StreamResponse:
-        """Commit the stream to the client and relay it to its end."""
+    async def deliver(self, client: ClientStream) -> web.StreamResponse | None:
+        """Commit the stream to the client and relay it to its end. Buffered (SPEC E5): held
+        until complete and judged; None when it failed unseen (the exchange moves on)."""
         assert self.leg.opened is not None
         try:
             await client.start(served_headers(self.leg.run, self.leg.opened.model))
-            self.host.decision.first_content_at = self.now()
+            if not client.holding:
+                self.host.decision.first_content_at = self.now()
             return await self._relay(client)
         except ClientGone:
             self._left(self.leg.run.end(Cause.CLIENT_LEFT, self.now(),
@@ -72,14 +74,14 @@ class Delivery:
             self._left(self.services.cancelled(self.leg.run, "mid-stream"))
             raise
 
-    async def _relay(self, client: ClientStream) -> web.StreamResponse:
+    async def _relay(self, client: ClientStream) -> web.StreamResponse | None:
         relay = self._relay_of(client, may_move=True)
         try:
             while True:
                 stop = await relay.run()
                 self._kept(relay)
                 if stop.kind is StopKind.DONE:
-                    return self._done(client, stop)
+                    return await self._done(client, stop)
                 relay.close()
                 if stop.kind is StopKind.BROKE:
                     rescued = await self._rescue(client, stop)
@@ -120,8 +122,9 @@ class Delivery:
 
     # -- the ends -------------------------------------------------------------------------
 
-    def _done(self, client: ClientStream, stop: Stop) -> web.StreamResponse:
-        """The client has the complete answer: nothing more is read or awaited."""
+    async def _done(self, client: ClientStream, stop: Stop) -> web.StreamResponse | None:
+        """The answer is complete: nothing more is read or awaited. Live, the client has it;
+        buffered, it is judged first, and one whose verdict counts is replaced unseen."""
         run, opened = self.leg.run, self.leg.opened
         assert opened is not None
         opened.close()
@@ -133,8 +136,17 @@ class Delivery:
         delivered = client.delivered
         verdict = verdict_on(self.host.chat, delivered.text, delivered.finish_reason,
                              delivered.has_tool_calls)  # fmt: skip
-        end = run.end(Cause.ANSWERED, self.now(), "answered", verdict=verdict,
-                      answer=self._answer(client))  # fmt: skip
+        answer = self._answer(client)
+        if client.holding:
+            if verdict.counts(run.attempt.provider.degraded_output):
+                detail = f"answered a buffered stream that is {verdict.kind.value}"
+                self.host.fail(run.end(Cause.DEGRADED, self.now(), detail, verdict=verdict,
+                                       answer=answer))  # fmt: skip
+                client.discard()
+                return None
+            await client.release()
+            self.host.decision.first_content_at = self.now()
+        end = run.end(Cause.ANSWERED, self.now(), "answered", verdict=verdict, answer=answer)
         self.host.served(end)
         assert client.response is not None
         return client.response
@@ -149,9 +161,18 @@ class Delivery:
         end.delivered = True
         return end
 
-    async def _broke(self, client: ClientStream, stop: Stop) -> web.StreamResponse:
+    async def _broke(self, client: ClientStream, stop: Stop) -> web.StreamResponse | None:
         """Nobody could continue: the client gets an error event, and the request is over.
-        The broken leg is what was served (its end is recorded once, whoever tells it)."""
+        The broken leg is what was served (its end is recorded once, whoever tells it).
+        Buffered, the client saw none of it: a failure like any other (None)."""
+        if client.holding:
+            if self.broken is None:
+                end = self._broken(client, stop)
+                end.delivered = False
+                self.host.fail(end)
+            self.leg.recorded = True
+            client.discard()
+            return None
         if self.broken is None:
             self.host.served(self._broken(client, stop))
         else:
@@ -170,7 +191,9 @@ class Delivery:
         role = self.host.chat.role.name
         slow = None
         if self.legs < MAX_LEGS:
-            slow = await self._continue_on(client, act.alternative.key)
+            # Held, not yet seen: a machine that cannot continue starts the answer afresh.
+            afresh = client.holding and not act.alternative.continues_partial
+            slow = await self._continue_on(client, act.alternative.key, afresh=afresh)
         if slow is None:
             self.services.recorder.act(role, act, "kept")
             return None
@@ -200,18 +223,23 @@ class Delivery:
                 return self._relay_of(client, may_move=False)
         return None
 
-    async def _continue_on(self, client: ClientStream, target: MachineKey) -> Leg | None:
+    async def _continue_on(
+        self, client: ClientStream, target: MachineKey, *, afresh: bool = False
+    ) -> Leg | None:
         """Send `target` the request plus what was delivered; when it produces content it
         serves the client from the end of what the client has, and the leg it took over
-        from is returned. A failure is recorded (None)."""
+        from is returned. `afresh` (a held answer): the plain request, and what was held is
+        dropped. A failure is recorded (None)."""
         attempt = self.host.onward(target.provider, target.model, target.machine)
         if attempt is None:
             return None
         delivered = client.delivered
         budget = max(self.host.deadline - self.now(), 0.0)
-        onward = self.arms.run(attempt, budget, ArmAct.CONTINUED, delivered.content_deltas)
+        done = 0 if afresh else delivered.content_deltas
+        onward = self.arms.run(attempt, budget, ArmAct.CONTINUED, done)
+        chat = self.host.chat if afresh else self.host.chat.continued(delivered.text)
         try:
-            opened = await self.arms.open(onward, self.host.chat.continued(delivered.text))
+            opened = await self.arms.open(onward, chat)
         except ArmFailed as failure:
             # A machine refusing the prefill is one failed continuation, not the answer.
             self.host.fail(onward.failed(failure, self.now()))
@@ -221,7 +249,10 @@ class Delivery:
             previous.opened.close()
         self.leg = Leg(onward, opened)
         self.legs += 1
-        client.splice()
+        if afresh:
+            client.discard()
+        else:
+            client.splice()
         return previous
 
     def _left(self, end: ArmEnd) -> None:

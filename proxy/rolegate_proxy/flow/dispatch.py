@@ -26,6 +26,7 @@ from ..core.exclusions import Transition
 from ..core.score import Scoreboard
 from ..core.verdicts import VerdictLog
 from ..wire.chat_request import ChatRequest
+from .client_stream import KEEPALIVE_SECONDS
 from .exchange import Exchange
 from .metrics import ProxyMetrics
 from .recorder import Recorder
@@ -45,6 +46,8 @@ class Dispatcher:
     scores: Scoreboard = field(default_factory=Scoreboard)
     # The share of routing decisions that explore (a machine other than the best leads).
     explore: float = 0.02
+    # How often a buffered stream's caller hears that the answer is being worked on.
+    keepalive_seconds: float = KEEPALIVE_SECONDS
     chooser: Chooser = field(init=False)
     recorder: Recorder = field(init=False)
     # Set when the app's upstream sessions start.
@@ -94,6 +97,6 @@ class Dispatcher:
             assert self.upstreams is not None, "the upstream sessions start with the app"
             services = self._services = Services(
                 self.chooser, self.breakers, self.recorder, self.upstreams, self.rng.random,
-                self.now, self._cancelled_by,
+                self.now, self._cancelled_by, self.keepalive_seconds,
             )  # fmt: skip
         return services

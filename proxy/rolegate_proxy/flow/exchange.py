@@ -17,6 +17,7 @@ Streamed arms are served by `serving.StreamServer`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, TypeVar
@@ -24,15 +25,16 @@ from typing import Final, TypeVar
 from aiohttp import web
 
 from rolegate_policy.config import ProxyConfig
-from rolegate_policy.enums import Ruling
+from rolegate_policy.enums import Delivery, Ruling
 
 from ..core.arm_end import Answered, ArmEnd, Cause, RequestFault
 from ..core.breaker import Admission
 from ..core.decisions import Decision
 from ..core.routing import Attempt, Candidate, MachineRouting, routes_machines
 from ..wire.chat_request import ChatRequest
+from ..wire.errors import ProxyError
 from .arms import ArmRun, Reply, complete, reply_response, verdict_on
-from .client_stream import ClientStream
+from .client_stream import ClientGone, ClientStream
 from .failures import exhausted, refused_for_patience, rejected
 from .services import Services, served_headers
 from .serving import StreamServer
@@ -71,9 +73,14 @@ class Exchange:
     paused_after: int = 0
 
     def client_stream(self) -> ClientStream:
-        """The client's stream, made when the first streamed arm commits to it."""
+        """The client's stream, made when the first streamed arm commits to it (a buffered
+        one when the request begins: its keep-alives run from then)."""
         if self.client is None:
-            self.client = ClientStream(self.request, self.headers, self.chat)
+            buffered = self.chat.role.delivery is Delivery.BUFFERED
+            self.client = ClientStream(
+                self.request, self.headers, self.chat,
+                keepalive_seconds=self.services.keepalive_seconds if buffered else None,
+            )  # fmt: skip
         return self.client
 
     @property
@@ -81,9 +88,22 @@ class Exchange:
         return self.decision.started_at + self.chat.role.patience_seconds
 
     async def run(self) -> web.StreamResponse:
+        keep_alive = None
+        if self.chat.stream and self.chat.role.delivery is Delivery.BUFFERED:
+            keep_alive = asyncio.create_task(_keep_alive(self.client_stream()))
         try:
             return await self._serve()
+        except ProxyError as error:
+            client = self.client
+            if client is None or client.response is None or not client.holding:
+                raise
+            # Keep-alives committed the stream (200): the error travels as an event.
+            self.decision.error_code = error.code
+            await client.refuse(error)
+            return client.response
         finally:
+            if keep_alive is not None:
+                keep_alive.cancel()
             # A probe whose arm ended without a conclusive answer (cancelled, crashed, the
             # client gone) is given back, so the next request can probe.
             for admission in self.probes:
@@ -381,6 +401,12 @@ class Exchange:
                     return None
                 return await self._try(attempt, self.deadline - services.now())
         return None
+
+
+async def _keep_alive(client: ClientStream) -> None:
+    """A keep-alive that finds the client gone stops; the request's own writes say so."""
+    with contextlib.suppress(ClientGone):
+        await client.keep_alive()
 
 
 def _request_fault(end: ArmEnd) -> RequestFault | None:

@@ -27,6 +27,8 @@ class Services:
     now: Callable[[], float]
     # Who ended an arm cancelled under its request: the client, or the proxy shutting down.
     cancelled_by: Callable[[], Cause]
+    # How often a buffered stream's caller hears that the answer is being worked on.
+    keepalive_seconds: float
     # Each role's candidates in a configuration (both immutable), by their identities.
     _plans: dict[tuple[int, int], tuple[ProxyConfig, CompiledRole, tuple[Candidate, ...]]] = field(
         default_factory=dict

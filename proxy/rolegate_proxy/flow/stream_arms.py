@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 from rolegate_policy.config import ProxyConfig
+from rolegate_policy.enums import Delivery
 from rolegate_policy.status import ProtocolQuirk
 
 from ..core.arm_end import ArmEnd
@@ -99,7 +100,9 @@ class StreamArms:
             serving=key,
             belief=None if key is None else self.services.recorder.ledger.belief_of(key, now),
             frontier=self.plan().frontier(),
-            streams_to_client=True,
+            # Buffered, nothing reaches the client before the end: any alternative can take
+            # over (afresh), not only one that continues partial messages.
+            streams_to_client=self.host.chat.role.delivery is not Delivery.BUFFERED,
             delivered=delivered,
         )
         return run

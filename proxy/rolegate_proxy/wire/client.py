@@ -10,6 +10,8 @@ from typing import Final
 from .sse import encode_event
 
 DONE: Final = b"data: [DONE]\n\n"
+# An SSE comment: clients ignore it, and their idle timers restart.
+KEEPALIVE: Final = b": rolegate: working\n\n"
 
 
 def incomplete_event(message: str) -> bytes:
