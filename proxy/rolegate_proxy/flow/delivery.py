@@ -211,7 +211,11 @@ class Delivery:
         broken = self.leg
         failed = self.arms.key(broken.run)
         avoid: set[MachineKey] = set() if failed is None else {failed}
-        targets = self.arms.plan().continuers(broken.run.attempt.model.name, avoid)
+        plan = self.arms.plan()
+        targets = plan.continuers(broken.run.attempt.model.name, avoid)
+        if failed is not None and failed in plan.continuers(failed.model):
+            # The machine that broke, last: a cut is often a blip, and it can continue.
+            targets.append(failed)
         if not targets:
             return None
         self.broken = self._broken(client, stop)

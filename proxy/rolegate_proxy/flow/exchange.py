@@ -163,7 +163,7 @@ class Exchange:
                 return None
             self.attempts += 1
             self.per_model[key] = self.per_model.get(key, 0) + 1
-            response = await self._try(attempt, self._budget(last, self._model_spent(key)))
+            response = await self._try(attempt, self._budget(last and self._final(attempt)))
             if response is not None:
                 return response
             failure = self.failures[-1]
@@ -203,11 +203,19 @@ class Exchange:
         await self._backoff()
         return True
 
-    def _budget(self, last: bool, final_try: bool) -> float:
+    def _final(self, attempt: Attempt) -> bool:
+        """No other attempt at this candidate could follow this one if it goes silent: its
+        attempts are spent, or it has no other machine to turn to (a direct provider is
+        not asked again after a timeout)."""
+        key = (attempt.provider.name, attempt.model.name)
+        routing = attempt.routing
+        return self._model_spent(key) or routing is None or len(routing.machines) < 2
+
+    def _budget(self, final: bool) -> float:
         """How long this arm may stay silent: all that is left of the patience for the
-        request's last attempt, else at most IDLE_SHARE of the patience."""
+        request's final attempt (SPEC E5), else at most IDLE_SHARE of the patience."""
         remaining = self.deadline - self.services.now()
-        if last and final_try:
+        if final:
             return remaining
         return min(remaining, self.chat.role.patience_seconds * IDLE_SHARE)
 
