@@ -200,12 +200,17 @@ class Rig:
 
 
 async def rig(
-    case: Case, budget: Budget, *, breaker: dict[str, Any] | None = None, seed: int = 0
+    case: Case,
+    budget: Budget,
+    *,
+    breaker: dict[str, Any] | None = None,
+    seed: int = 0,
+    reply: str = REPLY,
 ) -> Rig:
     primary, fallback = case.continues
     sim = await start_sim(parse_scenario({"seed": 13, "models": [
-        {"name": PRIMARY, "reply": REPLY, "machines": [_machine("p1", case.primary, primary)]},
-        {"name": FALLBACK, "reply": REPLY,
+        {"name": PRIMARY, "reply": reply, "machines": [_machine("p1", case.primary, primary)]},
+        {"name": FALLBACK, "reply": reply,
          "machines": [_machine("f1", case.fallback, fallback)]},
     ]}), host="127.0.0.1", port=0)  # fmt: skip
     first = _provider("primary", sim.url, PRIMARY, "p1", primary, budget)

@@ -90,9 +90,7 @@ PROMPT: Any = [{"role": "user", "content": "count"}]
 async def _stream(url: str, role_name: str = "agent") -> tuple[str, float]:
     started = time.monotonic()
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
-        stream = await client.chat.completions.create(
-            model=role_name, messages=PROMPT, stream=True
-        )
+        stream = await client.chat.completions.create(model=role_name, messages=PROMPT, stream=True)
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     return text, time.monotonic() - started
 

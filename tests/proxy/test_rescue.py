@@ -11,7 +11,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from rolegate_sim.text import tokenize
+
+from ..fault_cases import DEFAULTS, Case, always, ask, rig
 from ..support import (
     ProxyFactory,
     SimFactory,
@@ -251,3 +256,32 @@ async def test_a_direct_provider_continues_another_providers_answer(
     assert text == REPLY
     (continued,) = await sim_records(server.url)
     assert continued["continued_partial"]
+
+
+# Words of one- to four-byte characters, combining marks among them: a cut lands next to
+# any of them.
+WORD = st.text(alphabet="ab—é日🎉\u0301Ωx", min_size=1, max_size=5)
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(words=st.lists(WORD, min_size=3, max_size=30), data=st.data())
+async def test_a_splice_is_byte_exact_wherever_the_stream_breaks(
+    words: list[str], data: st.DataObject
+) -> None:
+    reply = " ".join(words)
+    cut_after = data.draw(st.integers(1, len(tokenize(reply)) - 1), label="cut after token")
+    case = Case("cut", [always("cut", afterTokens=cut_after)])
+    fresh = await rig(case, DEFAULTS, reply=reply)
+    try:
+        outcome = await ask(fresh.proxy.url)
+        outcome.records = await sim_records(fresh.sim.url)
+    finally:
+        await fresh.stop()
+    assert outcome.attempts == ["p1 200", "f1 200 continued"]
+    # Nothing duplicated, nothing lost, every byte of every character where it belongs.
+    assert outcome.text is not None
+    assert outcome.text.encode("utf-8") == reply.encode("utf-8")
