@@ -27,7 +27,7 @@ from ..core.watch import Watch
 from ..wire.answers import Completion, NotTheProtocol, UpstreamError
 from ..wire.chat_request import ChatRequest
 from ..wire.dialects import WIRE, WireProtocol
-from .stream import OpenedStream, hold_until_content, reads
+from .stream import OpenedStream, Reads, hold_until_content
 from .upstream import (
     TRANSPORT_ERRORS,
     ArmFailed,
@@ -188,7 +188,7 @@ async def _opened(
         hooks.missing_charset()
     opened = OpenedStream(
         response,
-        reads(response, run.wire, named=run.attempt.is_aggregator, on_malformed=hooks.malformed),
+        Reads(response, run.wire, named=run.attempt.is_aggregator, on_malformed=hooks.malformed),
         [],
         0.0,
     )

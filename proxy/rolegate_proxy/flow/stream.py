@@ -12,9 +12,11 @@ stream, or the client leaving (`ClientGone`, raised by the client stream).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TypeVar
 
 import aiohttp
 
@@ -27,33 +29,58 @@ from .client_stream import ClientStream
 from .upstream import TRANSPORT_ERRORS, ArmFailed, Silence, failed_in_transport
 
 Item = Event | Chunk
+# A stream quiet this long is looked at by its watch (SPEC B5: silence is evidence).
+SILENCE_TICK_SECONDS = 0.1
 Clock = Callable[[], float]
+T = TypeVar("T")
 
 
-async def reads(
-    response: aiohttp.ClientResponse,
-    wire: WireProtocol,
-    *,
-    named: bool,
-    on_malformed: Callable[[], None],
-) -> AsyncIterator[list[Item]]:
+class Reads:
     """Per network read, the complete events it finished: comments and [DONE] as they are,
-    data events decoded. A malformed event is skipped and counted (SPEC E4)."""
-    framer = EventFramer()
-    async for data in response.content.iter_any():
+    data events decoded. A malformed event is skipped and counted (SPEC E4).
+
+    Not a generator: a read cancelled while it waits (a timer ran out) consumes nothing,
+    and the next one goes on where it was."""
+
+    __slots__ = ("_content", "_framer", "_named", "_on_malformed", "_wire")
+
+    def __init__(
+        self,
+        response: aiohttp.ClientResponse,
+        wire: WireProtocol,
+        *,
+        named: bool,
+        on_malformed: Callable[[], None],
+    ) -> None:
+        self._content = response.content
+        self._framer = EventFramer()
+        self._wire = wire
+        self._named = named
+        self._on_malformed = on_malformed
+
+    async def next(self) -> list[Item] | None:
+        """The events the next network reads complete; None at the stream's clean end."""
+        while True:
+            data = await self._content.readany()
+            if not data:
+                return None
+            items = self._decoded(data)
+            if items:
+                return items
+
+    def _decoded(self, data: bytes) -> list[Item]:
         items: list[Item] = []
-        for event in framer.feed(data):
+        for event in self._framer.feed(data):
             if event.is_comment or event.is_done:
                 items.append(event)
                 continue
             try:
                 payload = decode_event_json(event)
             except MalformedEvent:
-                on_malformed()
+                self._on_malformed()
                 continue
-            items.append(wire.read_chunk(payload, event.raw, named=named))
-        if items:
-            yield items
+            items.append(self._wire.read_chunk(payload, event.raw, named=self._named))
+        return items
 
 
 @dataclass(slots=True)
@@ -61,7 +88,7 @@ class OpenedStream:
     """A stream that has produced its first content (or ended empty), not yet committed."""
 
     response: aiohttp.ClientResponse
-    reads: AsyncIterator[list[Item]]
+    reads: Reads
     held: list[Item]
     first_at: float
     # The machine and model its chunks named, when they did.
@@ -85,7 +112,7 @@ async def hold_until_content(
 ) -> None:
     """Read until the first content, the finish or [DONE] (plus whatever came in the same
     read), filling `opened`. Raises ArmFailed if the arm fails before that."""
-    async for items in opened.reads:
+    while (items := await opened.reads.next()) is not None:
         for index, item in enumerate(items):
             if isinstance(item, Event):
                 if item.is_done:
@@ -133,22 +160,81 @@ class Stop:
     usage_estimated: bool = False
 
 
-async def _next_items(reads: AsyncIterator[list[Item]]) -> list[Item] | None:
-    """The next read's items; None at the stream's clean end."""
-    try:
-        return await anext(reads)
-    except StopAsyncIteration:
-        return None
+class _Rang(Exception):
+    """The alarm interrupted a read: its moment came."""
+
+
+class _Alarm:
+    """One timer for a relay's whole life, interrupting a read when its moment comes.
+
+    `asyncio.timeout` would make and schedule a timer for every read: a tenth of what a
+    streamed token costs the proxy. The moment a read is waited to moves later with every
+    token (the stall bound, the silence check), so this timer is moved only when it is
+    due earlier than it is set for, and when it rings early it is set again. It rings by
+    cancelling the waiting task, as `asyncio.timeout` does, and tells that cancellation
+    from any other by the task's count of cancellation requests."""
+
+    __slots__ = ("_clock", "_due", "_handle", "_loop", "_rang", "_set_for", "_task")
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._handle: asyncio.TimerHandle | None = None
+        self._set_for = math.inf  # on `clock`
+        self._due = math.inf
+        self._rang = False
+
+    async def during(self, read: Awaitable[T], due: float) -> T:
+        """`read`, unless `due` (on `clock`) comes first: then _Rang."""
+        self._due = due
+        if self._handle is None or due < self._set_for:
+            self._set(due)
+        try:
+            return await read
+        except asyncio.CancelledError:
+            if not self._rang:
+                raise
+            self._rang = False
+            if self._task.uncancel() > 0:
+                raise  # cancelled for another reason too: that one stands
+            raise _Rang() from None
+        finally:
+            self._due = math.inf
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def _set(self, due: float) -> None:
+        self.stop()
+        self._set_for = due
+        delay = max(due - self._clock(), 0.0)
+        self._handle = self._loop.call_at(self._loop.time() + delay, self._ring)
+
+    def _ring(self) -> None:
+        self._handle = None
+        if self._due == math.inf:
+            return  # no read waits: the next one sets it again
+        if self._clock() < self._due:
+            self._set(self._due)  # rang early: the moment moved on
+            return
+        self._rang = True
+        self._task.cancel()
 
 
 @dataclass(slots=True)
 class Relay:
     """Forwards one opened stream to the client, feeding its watch.
 
-    Waiting for the next read is timed: the watch is asked again when it wants (a silence
-    is evidence, SPEC B5), and a stream that sends nothing the client would see (only
-    keep-alive comments, or nothing at all) for its silence bound has stalled, however
-    many bytes it sent."""
+    Waiting for the next read is timed: a stream quiet for SILENCE_TICK_SECONDS is asked
+    about by the watch (a silence is evidence, SPEC B5), as often as it wants, and one that
+    sends nothing the client would see (only keep-alive comments, or nothing at all) for
+    its silence bound has stalled, however many bytes it sent. A stream that keeps
+    producing costs one timer per read, and the watch only its token observations."""
 
     opened: OpenedStream
     client: ClientStream
@@ -159,11 +245,11 @@ class Relay:
     may_move: bool = True
     # The rate acts that found nothing to move to: kept, and counted.
     kept: list[Act] = field(default_factory=list)
-    # The read in flight, kept across timer checks (a read cancelled midway would end the
-    # stream).
-    _pending: asyncio.Task[list[Item] | None] | None = None
     # When content last reached the client (the start of the relay until the first).
     _content_at: float | None = None
+    # When the watch wants to be asked next, once it has been asked in a silence.
+    _check_at: float | None = None
+    _alarm: _Alarm | None = None
 
     async def run(self) -> Stop:
         """Forward until the answer is complete, the stream breaks, or it should move."""
@@ -185,42 +271,39 @@ class Relay:
                 return stop
 
     def close(self) -> None:
-        """Give up the read in flight (the stream moved, broke or lost its client)."""
-        if self._pending is not None and not self._pending.done():
-            self._pending.cancel()
-        self._pending = None
+        """The relay is over: its alarm rings no more."""
+        if self._alarm is not None:
+            self._alarm.stop()
 
     async def _read(self) -> list[Item] | Stop | None:
         """The next read, or the Stop a wait ended in: a stall, or a rate act that moves."""
-        if self._pending is None:
-            self._pending = asyncio.ensure_future(_next_items(self.opened.reads))
-        pending = self._pending
+        alarm = self._alarm
+        if alarm is None:
+            alarm = self._alarm = _Alarm(self.clock)
         while True:
             now = self.clock()
             assert self._content_at is not None
             stalled_at = self._content_at + self.silence.seconds
-            wake = stalled_at
-            check = self.watch.next_check(now)
-            if check is not None:
-                wake = min(wake, check)
-            done, _ = await asyncio.wait({pending}, timeout=max(wake - now, 0.0))
-            if done:
-                self._pending = None
+            wake = min(stalled_at, self._check_at or self._content_at + SILENCE_TICK_SECONDS)
+            if now < wake:
                 try:
-                    return pending.result()
+                    return await alarm.during(self.opened.reads.next(), wake)
+                except _Rang:
+                    now = self.clock()
                 except TRANSPORT_ERRORS as error:
                     failure = failed_in_transport(
                         error, self.silence, headers_in=True, content_in=True
                     )
                     return Stop(StopKind.BROKE, failure.cause, failure.detail)
-            now = self.clock()
             if now >= stalled_at:
-                self.close()
                 detail = f"sent nothing to show for {self.silence.seconds:g} s mid-answer"
                 return Stop(StopKind.BROKE, Cause.STALL, detail)
             stop = self._acted(self.watch.observe(now))
             if stop is not None:
                 return stop
+            # Asked again when it wants (never: only the stall bound is left to wait for).
+            check = self.watch.next_check(now)
+            self._check_at = stalled_at if check is None else max(check, now + 0.001)
 
     def _acted(self, act: Act | None) -> Stop | None:
         if act is None:
@@ -264,6 +347,7 @@ class Relay:
         await self.client.write(bytes(out))
         if tokens:
             self._content_at = self.clock()
+            self._check_at = None
         if first or not tokens:
             return None
         return self._acted(self.watch.observe(self.clock(), tokens=tokens))
