@@ -55,13 +55,13 @@ class Stack:
             url = f"{self.sim_url}/_sim/machines/{MODEL}/m1/faults"
             (await client.put(url, json=faults)).raise_for_status()
 
-    async def send(self, pod: str, count: int = 1) -> list[int]:
+    async def send(self, pod: str, count: int = 1, *, stream: bool = False) -> list[int]:
         statuses = []
         async with httpx.AsyncClient(timeout=30) as client:
             for _ in range(count):
                 response = await client.post(
                     f"{self.proxies[pod]}/v1/chat/completions",
-                    json={"model": "agent", "messages": PROMPT},
+                    json={"model": "agent", "messages": PROMPT, "stream": stream},
                 )
                 statuses.append(response.status_code)
         return statuses
@@ -205,3 +205,27 @@ async def test_an_api_server_outage_does_not_disturb_routing_and_status_resumes(
         shows_tripped, what="the trip to reach the resource after the outage", within=20
     )
     print(f"\nstatus resumed {took * 1000:.0f} ms after the API server came back")
+
+
+async def test_protocol_quirks_are_noted_on_the_resource_never_as_faults(stack: Stack) -> None:
+    """Streams without a charset (the simulator, like OpenRouter, names none) and without
+    `data: [DONE]` after their final chunk: tolerated, answered, and noted in the pod's
+    report (SPEC A1, E4)."""
+    await stack.faults([{"kind": "noDone", "always": True}])
+    assert await stack.send("proxy-a", 2, stream=True) == [200, 200]
+
+    async def noted() -> dict[str, int] | None:
+        reports = (await stack.pp()).get("reports") or []
+        quirks = {
+            quirk["kind"]: quirk["count"]
+            for report in reports
+            if report["pod"] == "proxy-a"
+            for quirk in report.get("quirks") or ()
+        }
+        return quirks if {"MissingCharset", "MissingDone"} <= set(quirks) else None
+
+    quirks = await eventually(noted, what="proxy-a's quirks on the status", within=20)
+    assert quirks["MissingDone"] == 2
+    # Never a fault: no breaker of the pod's is open.
+    reports = (await stack.pp()).get("reports") or []
+    assert all(not report.get("breakers") for report in reports)

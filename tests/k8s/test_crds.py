@@ -116,7 +116,9 @@ def test_schema_defaults_are_applied_and_agree_with_the_model(
     assert role["expectedOutputTokens"] == 512
     stored_provider = get_json(crds, namespace, "providerpolicy", "vllm")["spec"]
     assert stored_provider["dialect"] == "OpenAI"
-    assert stored_provider["breaker"]["maxCooldownSeconds"] == 600
+    # The cap's default follows cooldownSeconds: the schema has none, compile derives it.
+    assert "maxCooldownSeconds" not in stored_provider["breaker"]
+    assert stored_provider["breaker"]["cooldownSeconds"] == 10
     assert stored_provider["breaker"]["transportScope"] == "Provider"
     assert stored_provider["degradedOutput"] == {"detectEmpty": True, "detectMangled": True}
     assert stored_provider["timeouts"] == {"connectSeconds": 5, "idleSeconds": 60}
@@ -235,7 +237,8 @@ INVALID = [
             _provider(breaker={"cooldownSeconds": 60, "maxCooldownSeconds": 30}),
             "spec.breaker.maxCooldownSeconds",
             "`maxCooldownSeconds` must be at least `cooldownSeconds`"),
-    Invalid("cooldown-above-default-max", _provider(breaker={"cooldownSeconds": 900}),
+    Invalid("cooldown-above-max",
+            _provider(breaker={"cooldownSeconds": 900, "maxCooldownSeconds": 600}),
             "spec.breaker.maxCooldownSeconds",
             "`maxCooldownSeconds` must be at least `cooldownSeconds`"),
     Invalid("min-samples-above-window",
@@ -393,8 +396,10 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
         "observedGeneration": 1, "roleCount": 3,
         "conditions": [_condition("Accepted", "True", "Accepted")],
         "effectiveRulings": [
-            {"role": "reflex", "declared": "Auto", "effective": "Only", "reason": "Auto: ..."},
+            {"role": "reflex", "declared": "Auto", "effective": "Only", "reason": "Auto: ...",
+             "declaredDelivery": "Auto", "delivery": "Buffered"},
         ],
+        "rulings": "reflex Only/Buffered",
     })  # fmt: skip
     patch_status(crds, namespace, "providerpolicy/sim-router", {
         "observedGeneration": 1, "tripped": "model qwen/qwen3-coder",
@@ -411,8 +416,8 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
     })  # fmt: skip
 
     roles = table(crds.kubectl("get", "rt", "-n", namespace).stdout)
-    assert roles[0] == ["NAME", "ROLES", "ACCEPTED", "AGE"]
-    assert roles[1][:3] == ["agents", "3", "True"]
+    assert roles[0] == ["NAME", "ROLES", "RULINGS", "ACCEPTED", "AGE"]
+    assert roles[1][:4] == ["agents", "3", "reflex Only/Buffered", "True"]
     providers = table(crds.kubectl("get", "pp", "-n", namespace).stdout)
     assert providers[0] == ["NAME", "ENDPOINT", "ACCEPTED", "TRIPPED", "SCOPE", "REASON", "AGE"]
     assert providers[1][:6] == [
@@ -491,7 +496,7 @@ def test_kubectl_explain_reads_the_descriptions(crds: ControlPlane) -> None:
 
     # Ranges and defaults, which `kubectl explain` does not show on its own, are spelled out.
     cooldown = words(crds.kubectl("explain", "pp.spec.breaker.cooldownSeconds").stdout)
-    assert "Must be greater than 0 and at most 86400. Defaults to 30." in cooldown
+    assert "Must be greater than 0 and at most 86400. Defaults to 10." in cooldown
 
     kind = words(crds.kubectl("explain", "providerpolicy").stdout)
     assert "ProviderPolicy declares one upstream chat-completions endpoint" in kind
@@ -514,7 +519,7 @@ def test_where_the_api_server_is_more_lenient_what_it_stores_compiles(
     assert stored_table["roles"][0]["expectedOutputTokens"] == 12
     stored_provider = get_json(crds, namespace, "providerpolicy", "bad")["spec"]
     assert "apiKeySecretRef" not in stored_provider
-    assert stored_provider["breaker"]["cooldownSeconds"] == 30
+    assert stored_provider["breaker"]["cooldownSeconds"] == 10
     stored = [{**table, "spec": stored_table}, {**provider, "spec": stored_provider}]
     result = compile_manifests([manifest_from_object(o, f"#{i}") for i, o in enumerate(stored)])
     assert result.all_accepted, result.rejected
