@@ -55,7 +55,8 @@ def _verdict_lines(verdict: ResourceVerdict) -> list[str]:
         detail = "; " + verdict.message.removeprefix("Accepted: ").split("; ")[0].rstrip(".")
         if verdict.effective_rulings:
             detail = "; roles: " + ", ".join(
-                f"{ruling.role} → {ruling.effective.value} ({ruling.reason})"
+                f"{ruling.role} → {ruling.effective.value} ({ruling.reason}), "
+                f"{ruling.delivery.value} ({ruling.delivery_reason})"
                 for ruling in verdict.effective_rulings
             )
         lines = [f"✓ {subject}: accepted{detail}"]

@@ -30,6 +30,7 @@ def test_examples_compile_cleanly() -> None:
         "machines (Aggregator dialect)"
     )
     assert "reflex → Only (Auto: Unwatched and patience 4s is under the 10s threshold" in stderr
+    assert "Buffered (Auto: Unwatched, so the answer is held until complete and judged" in stderr
     assert stderr.rstrip().endswith("2 resources accepted")
 
 
