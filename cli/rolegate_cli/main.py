@@ -192,6 +192,46 @@ def _parser() -> argparse.ArgumentParser:
         help="serve kopf's liveness probe on http://0.0.0.0:PORT/healthz",
     )
     operator.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve the operator's Prometheus metrics on http://0.0.0.0:PORT/metrics",
+    )
+    operator.add_argument(
+        "--leader-election",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="elect one writer among replicas with a Lease in the ConfigMap's namespace "
+        "(default: on; --no-leader-election for a single replica without the Lease)",
+    )
+    operator.add_argument(
+        "--lease-name",
+        default="rolegate-operator",
+        metavar="NAME",
+        help="the Lease the replicas elect their writer with (default: rolegate-operator)",
+    )
+    operator.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="a standby takes over once the leader has not renewed for this long (default: 15)",
+    )
+    operator.add_argument(
+        "--lease-renew-deadline-seconds",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="a leader that cannot renew for this long stops writing (default: 10)",
+    )
+    operator.add_argument(
+        "--lease-retry-seconds",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="how often the leader renews and a standby tries (default: 2)",
+    )
+    operator.add_argument(
         "--report-ttl-seconds",
         type=float,
         default=90.0,
@@ -339,7 +379,15 @@ def _run_operator(args: argparse.Namespace) -> int:
 
     from rolegate_operator.controller import Options
     from rolegate_operator.kube import load_configuration
-    from rolegate_operator.main import CannotStart, LoopCrashed, run_operator
+    from rolegate_operator.leader import ElectionOptions, replica_identity
+    from rolegate_operator.main import (
+        CannotStart,
+        Endpoints,
+        KopfStopped,
+        LoopCrashed,
+        exit_now,
+        run_operator,
+    )
 
     namespaces: tuple[str, ...] = tuple(dict.fromkeys(args.namespace or ()))
     configmap_namespace = args.configmap_namespace or (namespaces[0] if namespaces else None)
@@ -356,6 +404,20 @@ def _run_operator(args: argparse.Namespace) -> int:
         configmap_name=args.configmap,
         report_ttl_seconds=args.report_ttl_seconds,
     )
+    election: ElectionOptions | None = None
+    if args.leader_election:
+        try:
+            election = ElectionOptions(
+                namespace=configmap_namespace,
+                name=args.lease_name,
+                identity=replica_identity(),
+                lease_seconds=args.lease_seconds,
+                renew_deadline_seconds=args.lease_renew_deadline_seconds,
+                retry_seconds=args.lease_retry_seconds,
+            )
+        except ValueError as error:
+            print(f"rolegate operator: {error}", file=sys.stderr)
+            return 2
     try:
         configuration = load_configuration(
             str(args.kubeconfig) if args.kubeconfig is not None else None
@@ -363,18 +425,23 @@ def _run_operator(args: argparse.Namespace) -> int:
     except (ConfigException, OSError) as error:
         print(f"rolegate operator: no usable Kubernetes credentials: {error}", file=sys.stderr)
         return 2
-    liveness = (
-        f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port is not None else None
+    endpoints = Endpoints(
+        liveness=(
+            f"http://0.0.0.0:{args.liveness_port}/healthz"
+            if args.liveness_port is not None
+            else None
+        ),
+        metrics_port=args.metrics_port,
     )
     try:
-        run_operator(options, configuration, liveness_endpoint=liveness)
+        run_operator(options, configuration, endpoints=endpoints, election=election)
     except CannotStart as error:
         print(f"rolegate operator: {error}", file=sys.stderr)
         return 2
-    except LoopCrashed as error:
+    except (LoopCrashed, KopfStopped) as error:
         print(f"rolegate operator: {error}", file=sys.stderr)
-        return 1
-    return 0
+        exit_now(1)
+    exit_now(0)
 
 
 def _run_sim(args: argparse.Namespace) -> int:

@@ -36,6 +36,8 @@ from rolegate_operator.conditions import (
     transition_event,
 )
 from rolegate_operator.kube import ConfigMapWrite, describe_error
+from rolegate_operator.leader import Leadership, always_leading
+from rolegate_operator.metrics import OperatorMetrics
 from rolegate_operator.reconcile import AcceptedVersion, ReconcileResult, reconcile
 from rolegate_operator.store import KINDS, ResourceKey, Store
 from rolegate_policy.config import (
@@ -103,8 +105,12 @@ class Controller:
         *,
         now: Callable[[], datetime] = utc_now,
         monotonic: Callable[[], float] = time.monotonic,
+        leadership: Leadership | None = None,
+        metrics: OperatorMetrics | None = None,
     ) -> None:
         self.options = options
+        self._leadership = leadership or always_leading()
+        self._metrics = metrics or OperatorMetrics()
         self.store = store
         self._kube = kube
         self._now = now
@@ -122,6 +128,12 @@ class Controller:
         self._observed.set()
         if self.store.observe(event_type, body):
             self._changed.set()
+
+    def resync(self) -> None:
+        """Compare everything with the server again (this replica just became the leader:
+        what the last one wrote is not known to be what this one would write)."""
+        self._written_hash = None
+        self._changed.set()
 
     # The loop ----------------------------------------------------------------------
 
@@ -154,10 +166,22 @@ class Controller:
         trying every write) when some status writes failed."""
         self._changed.clear()  # a change from here on means another pass
         snapshot = self.store.snapshot()
+        started = self._monotonic()
         result = reconcile(snapshot, self._memory)
+        self._record(result, self._monotonic() - started)
         self._memory = dict(result.accepted)
         self.last_result = result
         self.passes += 1
+        if not self._leadership.leading:
+            # A standby compiles (its last-known-good memory stays warm) but never writes.
+            self._written_hash = None
+            log.info(
+                "standby pass done config_hash=%s resources=%d rejected=%d",
+                result.config.hash,
+                len(snapshot),
+                len(result.rejected),
+            )
+            return result
 
         configmap = "skipped"  # the hash last written: no need to look
         if verify_configmap or result.config.hash != self._written_hash:
@@ -199,9 +223,19 @@ class Controller:
             written,
             failures,
         )
+        self._metrics.passes.labels("failed" if failures else "ok").inc()
+        self._metrics.status_writes.labels("accepted").inc(written)
         if failures:
             raise PassFailed(f"{failures} status write(s) failed")
         return result
+
+    def _record(self, result: ReconcileResult, seconds: float) -> None:
+        metrics = self._metrics
+        metrics.compile_seconds.observe(seconds)
+        for kind in KINDS:
+            fates = [fate for key, fate in result.outcomes.items() if key.kind == kind]
+            metrics.resources.labels(kind).set(len(fates))
+            metrics.rejected.labels(kind).set(sum(not fate.accepted for fate in fates))
 
     async def _write_status(self, key: ResourceKey, result: ReconcileResult) -> bool:
         """Write one resource's status if it differs; True when written."""

@@ -30,6 +30,7 @@ import kopf
 from kubernetes import client, config
 
 from rolegate_operator.conditions import EventNote
+from rolegate_operator.leader import LeaseRecord, micro_time
 from rolegate_operator.store import API_VERSION, GROUP, KINDS, VERSION, ResourceKey
 from rolegate_policy.config import (
     ProxyConfig,
@@ -41,6 +42,8 @@ HASH_ANNOTATION: Final = f"{GROUP}/config-hash"
 MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
 # (connect, read) seconds for every request the operator makes itself.
 REQUEST_TIMEOUT: Final = (5.0, 30.0)
+# Lease calls must answer well within the renew deadline (10 s by default).
+LEASE_TIMEOUT: Final = (2.0, 4.0)
 CONFLICT_RETRIES: Final = 5
 # Event messages are shown in one line by `kubectl describe`; events.k8s.io caps notes at 1 KiB.
 EVENT_MESSAGE_LIMIT: Final = 1024
@@ -107,6 +110,7 @@ class Kube:
         self._client = client.ApiClient(configuration)
         self._custom = client.CustomObjectsApi(self._client)
         self._core = client.CoreV1Api(self._client)
+        self._coordination = client.CoordinationV1Api(self._client)
         self._instance = socket.gethostname()
 
     def close(self) -> None:
@@ -169,29 +173,87 @@ class Kube:
 
     def remove_reports(
         self, key: ResourceKey, reports: Sequence[Mapping[str, Any]], pods: Sequence[str]
-    ) -> None:
-        """Drop the `status.reports` entries of `pods` (reports of proxy pods not heard
-        from). A JSON patch whose `test` ops pin each entry to its pod, so a concurrent
-        change fails the patch instead of removing the wrong entry; the next pass retries."""
+    ) -> dict[str, Any] | None:
+        """Drop the `status.reports` entries of `pods`, judged expired from `reports` (the
+        copy the judgement was made on, possibly stale after an outage). A JSON patch whose
+        `test` ops pin each entry to its pod **and its `observedAt`**: if the pod has
+        reported again since (or the list moved), the patch fails as a whole and nothing is
+        removed; the watch then delivers the fresh report. Returns the object as stored
+        after the removal, or None when nothing was removed."""
         operations: list[dict[str, Any]] = []
         # Highest index first, so earlier removals do not shift later ones.
         for index in sorted(
             (i for i, report in enumerate(reports) if report.get("pod") in pods), reverse=True
         ):
             path = f"/status/reports/{index}"
-            operations.append({"op": "test", "path": f"{path}/pod", "value": reports[index]["pod"]})
+            for name in ("pod", "observedAt"):
+                operations.append(
+                    {"op": "test", "path": f"{path}/{name}", "value": reports[index].get(name)}
+                )
             operations.append({"op": "remove", "path": path})
         if not operations:
-            return
+            return None
         try:
-            self._custom.patch_namespaced_custom_object_status(
+            written = self._custom.patch_namespaced_custom_object_status(
                 GROUP, VERSION, key.namespace, KINDS[key.kind].plural, key.name, operations,
                 _content_type="application/json-patch+json",
                 _request_timeout=REQUEST_TIMEOUT,
             )  # fmt: skip
         except client.ApiException as error:
-            if error.status not in (404, 409, 422):
-                raise
+            if error.status in (404, 409, 422):  # gone, or a report changed: keep them all
+                return None
+            raise
+        return dict(_mapping(written))
+
+    def read_lease(self, namespace: str, name: str) -> LeaseRecord | None:
+        try:
+            lease = self._coordination.read_namespaced_lease(
+                name, namespace, _request_timeout=LEASE_TIMEOUT
+            )
+        except client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+        spec = lease.spec
+        return LeaseRecord(
+            holder=(spec.holder_identity if spec else None) or "",
+            acquire_time=_micro(spec.acquire_time if spec else None),
+            renew_time=_micro(spec.renew_time if spec else None),
+            lease_seconds=(spec.lease_duration_seconds if spec else None) or 0,
+            transitions=(spec.lease_transitions if spec else None) or 0,
+            resource_version=str((lease.metadata.resource_version if lease.metadata else "") or ""),
+        )
+
+    def write_lease(
+        self, namespace: str, name: str, body: Mapping[str, Any], record: LeaseRecord | None
+    ) -> bool:
+        """Create the Lease, or replace it only if it is still the version read (the
+        resourceVersion precondition): two replicas never both win one round."""
+        metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+        if record is not None:
+            metadata["resourceVersion"] = record.resource_version
+        # A plain body: the client sends dicts as they are, and MicroTime strings stay exact.
+        lease: Any = {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": metadata,
+            "spec": dict(body),
+        }
+        try:
+            if record is None:
+                self._coordination.create_namespaced_lease(
+                    namespace, lease, field_manager=FIELD_MANAGER, _request_timeout=LEASE_TIMEOUT
+                )
+            else:
+                self._coordination.replace_namespaced_lease(
+                    name, namespace, lease, field_manager=FIELD_MANAGER,
+                    _request_timeout=LEASE_TIMEOUT,
+                )  # fmt: skip
+        except client.ApiException as error:
+            if error.status == 409:  # someone else wrote it first
+                return False
+            raise
+        return True
 
     def post_event(self, key: ResourceKey, uid: str, note: EventNote, now: datetime) -> None:
         """A core/v1 Event about the resource (shown by `kubectl describe`)."""
@@ -315,6 +377,10 @@ def describe_error(error: BaseException) -> str:
     if status is not None:
         return f"{type(error).__name__}(status={status}, reason={reason})"
     return f"{type(error).__name__}: {error}"
+
+
+def _micro(moment: datetime | None) -> str:
+    return micro_time(moment) if moment is not None else ""
 
 
 def _mapping(value: object) -> Mapping[str, Any]:

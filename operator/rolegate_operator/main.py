@@ -16,15 +16,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+import os
+import signal
+import sys
+import threading
+from collections.abc import Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import Any, Final, NoReturn
 
 import kopf
 from kubernetes import client
 
 from rolegate_operator.controller import Controller, Options, utc_now
 from rolegate_operator.kube import Kube, connection_info, describe_error
+from rolegate_operator.leader import ElectionOptions, Elector, Leadership, always_leading
+from rolegate_operator.metrics import OperatorMetrics
 from rolegate_operator.store import GROUP, KINDS, VERSION, Store
 from rolegate_operator.tripped_loop import TrippedLoop
 
@@ -39,6 +46,12 @@ WATCH_SERVER_TIMEOUT = 60
 WATCH_CLIENT_TIMEOUT = 90.0
 WATCH_CONNECT_TIMEOUT = 10.0
 WATCH_INACTIVITY_TIMEOUT = 75.0
+# The longest pause between two attempts of a failed API request (kopf's watches included).
+WATCH_RETRY_CAP: Final = 5.0
+# SIGTERM to exit, in every state (docs/operator.md promises a second).
+STOP_SECONDS: Final = 0.8
+# Of those, at most this long to hand the Lease over.
+RELEASE_SECONDS: Final = 0.4
 
 log = logging.getLogger("rolegate.operator")
 
@@ -52,10 +65,13 @@ class Runtime:
     kube: Kube
     controller: Controller
     tripped: TrippedLoop
-    # Set when the compile loop dies: kopf stops and `run_operator` raises. An asyncio
-    # flag: kopf waits for a threading.Event in an executor thread that then blocks the
+    leadership: Leadership
+    # Set to stop kopf (on SIGTERM, or when a loop of ours died). An asyncio flag: kopf
+    # waits for a threading.Event in an executor thread that then blocks the
     # interpreter's exit when the flag is never set.
     stop_flag: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set on SIGINT/SIGTERM: the stop is asked for, not kopf stopping on its own.
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     tripped_task: asyncio.Task[None] | None = None
     crash: BaseException | None = None
@@ -68,6 +84,25 @@ def runtime_of(memo: Mapping[str, Any]) -> Runtime:
     return runtime
 
 
+class RetryForever:
+    """kopf's retry delays for a failed API request: never exhausted, growing to a cap.
+
+    kopf's default (1, 1, 2, 3, 5, 8, 13, 21: about 54 s) runs out during a routine API
+    server restart (its warm-up 503s last longer), and a watcher that exhausts it dies for
+    good. Unsized on purpose: kopf then counts attempts without a total. Iterated afresh
+    for every request."""
+
+    def __init__(self, first: float = 0.5, cap: float = WATCH_RETRY_CAP) -> None:
+        self._first = first
+        self._cap = cap
+
+    def __iter__(self) -> Iterator[float]:
+        delay = self._first
+        while True:
+            yield delay
+            delay = min(delay * 2, self._cap)
+
+
 def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -76,6 +111,7 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = f"{GROUP}/kopf-finalizer"
     # kopf posts Events only for its own warnings and errors; ours come from `kube`.
     settings.posting.level = logging.WARNING
+    settings.networking.error_backoffs = RetryForever()
     settings.watching.server_timeout = WATCH_SERVER_TIMEOUT
     settings.watching.client_timeout = WATCH_CLIENT_TIMEOUT
     settings.watching.connect_timeout = WATCH_CONNECT_TIMEOUT
@@ -84,6 +120,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     # No cluster-wide CRD and namespace watching: the CRDs must exist at start (the
     # command checks), and the namespaces are named, so least-privilege RBAC suffices.
     settings.scanning.disabled = True
+    # Replicas are coordinated by our Lease (leader.py), not by kopf's peering.
+    settings.peering.standalone = True
     # kopf logs every handled watch event at INFO; ours say what was done with them.
     if log.getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
@@ -95,8 +133,7 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
 
 
 @kopf.on.startup(id="rolegate-startup", registry=REGISTRY)
-async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    configure(settings)
+async def startup(memo: kopf.Memo, **_: Any) -> None:
     runtime = runtime_of(memo)
     runtime.task = asyncio.create_task(runtime.controller.run(), name="rolegate compile loop")
     runtime.task.add_done_callback(lambda task: _loop_ended(runtime, task))
@@ -118,7 +155,6 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-    runtime.kube.close()
     # Release kopf's waiter on the stop flag, or kopf waits 5 s for it as a hung task.
     runtime.stop_flag.set()
 
@@ -158,19 +194,38 @@ class LoopCrashed(RuntimeError):
     """The compile loop died; the operator stopped."""
 
 
+class KopfStopped(RuntimeError):
+    """kopf stopped without being asked to (a watcher gave up): the process must exit so
+    the pod restarts, rather than stay up without watching."""
+
+
 class CannotStart(RuntimeError):
     """The API server cannot be reached, refuses us, or does not serve the CRDs."""
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """What the operator serves besides its work."""
+
+    liveness: str | None = None  # kopf's probe, e.g. http://0.0.0.0:8080/healthz
+    metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"
 
 
 def run_operator(
     options: Options,
     configuration: client.Configuration,
     *,
-    liveness_endpoint: str | None = None,
+    endpoints: Endpoints = Endpoints(),
+    election: ElectionOptions | None = None,
 ) -> None:
     """Run the operator until SIGINT/SIGTERM. Raises `CannotStart` when a first listing
-    fails or the API server does not serve RoleTable or ProviderPolicy, and
-    `LoopCrashed` when the compile loop died."""
+    fails or the API server does not serve RoleTable or ProviderPolicy, `LoopCrashed` when
+    the compile loop died, and `KopfStopped` when kopf stopped on its own.
+
+    Returns (or raises) within `STOP_SECONDS` of a signal; work still running then (an API
+    call in a worker thread waiting out its timeout) is abandoned: the caller exits the
+    process with `exit_now`, since nothing is lost that the next start does not redo."""
     kube = Kube(configuration)
     namespace = options.namespaces[0] if options.namespaces else None
     try:
@@ -186,22 +241,156 @@ def run_operator(
             f"the API server does not serve {', '.join(missing)} ({GROUP}/{VERSION}); "
             "install the CRDs first: kubectl apply -f deploy/crds/"
         )
+    leadership = Leadership() if election is not None else always_leading()
+    metrics = OperatorMetrics()
     store = Store()
+    controller = Controller(options, store, kube, leadership=leadership, metrics=metrics)
+    tripped = TrippedLoop(
+        store,
+        kube,
+        now=utc_now,
+        ttl_seconds=options.report_ttl_seconds,
+        leadership=leadership,
+        metrics=metrics,
+    )
+    leadership.on_gain += [controller.resync, tripped.observe]
+    leadership.on_change.append(metrics.set_leader)
+    metrics.set_leader(leadership.leading)
+    metrics.watch(options.namespaces)
     runtime = Runtime(
         options=options,
         configuration=configuration,
         kube=kube,
-        controller=Controller(options, store, kube),
-        tripped=TrippedLoop(store, kube, now=utc_now, ttl_seconds=options.report_ttl_seconds),
+        controller=controller,
+        tripped=tripped,
+        leadership=leadership,
     )
-    kopf.run(
-        registry=REGISTRY,
-        standalone=True,
-        clusterwide=not options.namespaces,
-        namespaces=list(options.namespaces),
-        memo=kopf.Memo({RUNTIME_KEY: runtime}),
-        liveness_endpoint=liveness_endpoint,
-        stop_flag=runtime.stop_flag,
-    )
+    elector = Elector(election, kube, leadership) if election is not None else None
+    try:
+        outcome = _run_beside_signals(runtime, _supervise(runtime, endpoints, elector, metrics))
+    finally:
+        kube.close()
+    if outcome is Outcome.KOPF_STOPPED:
+        raise KopfStopped("kopf stopped on its own; exiting so the pod restarts")
     if runtime.crash is not None:
         raise LoopCrashed(f"the compile loop crashed: {runtime.crash!r}") from runtime.crash
+
+
+class Outcome(StrEnum):
+    ASKED = "asked"  # SIGINT/SIGTERM
+    CRASHED = "crashed"  # a loop of ours died
+    KOPF_STOPPED = "kopf-stopped"
+
+
+def _run_beside_signals(runtime: Runtime, main: Coroutine[Any, Any, Outcome]) -> Outcome:
+    """Run `main` on an event loop in a thread of its own while this (the main) thread
+    takes the signals and keeps time.
+
+    kopf installs SIGINT/SIGTERM handlers of its own when it runs in the main thread, and
+    then stops in its own time (it waits up to 10 s for its tasks); in another thread it
+    leaves signals alone. Here a signal asks the loop to stop, and the process leaves
+    `STOP_SECONDS` later at the latest, even if the loop is stuck."""
+    asked = threading.Event()
+    loops: list[asyncio.AbstractEventLoop] = []
+    results: list[Outcome] = []
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        loops.append(loop)
+        if asked.is_set():
+            runtime.stopping.set()
+        try:
+            results.append(loop.run_until_complete(main))
+        except BaseException as error:  # handed to the main thread below
+            errors.append(error)
+
+    def on_signal(number: int, _frame: object) -> None:
+        log.info("signal received signal=%s", signal.Signals(number).name)
+        asked.set()
+        for loop in loops:
+            loop.call_soon_threadsafe(runtime.stopping.set)
+
+    for number in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(number, on_signal)
+    thread = threading.Thread(target=serve, name="rolegate-operator", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        if asked.wait(0.1):
+            thread.join(STOP_SECONDS + 0.1)
+            break
+    if errors:
+        raise errors[0]
+    return results[0] if results else Outcome.ASKED
+
+
+async def _supervise(
+    runtime: Runtime, endpoints: Endpoints, elector: Elector | None, metrics: OperatorMetrics
+) -> Outcome:
+    """Run kopf beside the elector and the metrics endpoint; end at a signal, a crash of
+    ours, or kopf ending by itself, and be gone within `STOP_SECONDS` in every case."""
+    loop = asyncio.get_running_loop()
+    metrics_runner = (
+        await metrics.serve(endpoints.metrics_host, endpoints.metrics_port)
+        if endpoints.metrics_port is not None
+        else None
+    )
+    elector_task = (
+        asyncio.create_task(elector.run(), name="rolegate leader election") if elector else None
+    )
+    settings = kopf.OperatorSettings()
+    configure(settings)
+    options = runtime.options
+    kopf_task = asyncio.create_task(
+        kopf.operator(
+            registry=REGISTRY,
+            settings=settings,
+            standalone=True,
+            clusterwide=not options.namespaces,
+            namespaces=list(options.namespaces),
+            memo=kopf.Memo({RUNTIME_KEY: runtime}),
+            liveness_endpoint=endpoints.liveness,
+            stop_flag=runtime.stop_flag,
+        ),
+        name="kopf",
+    )
+    stop_asked = asyncio.create_task(runtime.stopping.wait())
+    crashed = asyncio.create_task(runtime.stop_flag.wait())
+    await asyncio.wait({kopf_task, stop_asked, crashed}, return_when=asyncio.FIRST_COMPLETED)
+    if runtime.stopping.is_set():
+        outcome = Outcome.ASKED
+    elif runtime.crash is not None:
+        outcome = Outcome.CRASHED
+    else:
+        outcome = Outcome.KOPF_STOPPED
+        log.critical("kopf stopped on its own; exiting so the pod restarts")
+    deadline = loop.time() + STOP_SECONDS
+    # The Lease first: a standby takes over at its next attempt instead of a lease later.
+    if elector is not None and elector_task is not None:
+        elector_task.cancel()
+        was_leading = runtime.leadership.leading
+        runtime.leadership.set(False)  # no write starts from here on
+        if was_leading:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.to_thread(elector.release_lease), RELEASE_SECONDS)
+    runtime.stop_flag.set()
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(asyncio.shield(kopf_task), max(0.0, deadline - loop.time()))
+    for task in (kopf_task, stop_asked, crashed, runtime.task, runtime.tripped_task):
+        if task is not None and not task.done():
+            task.cancel()
+    if metrics_runner is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(metrics_runner.cleanup(), max(0.05, deadline - loop.time()))
+    log.info("operator stopped reason=%s", outcome.value)
+    return outcome
+
+
+def exit_now(code: int) -> NoReturn:
+    """Leave the process at once: worker threads blocked in API calls (each bounded by its
+    own timeout, up to 30 s) must not hold a stopping operator up."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -100,12 +100,25 @@ def read_reports(raw: Sequence[Mapping[str, Any]]) -> tuple[list[PodReport], lis
 
 
 def aggregate(
-    raw_reports: Sequence[Mapping[str, Any]], generation: int, now: datetime, ttl_seconds: float
+    raw_reports: Sequence[Mapping[str, Any]],
+    generation: int,
+    now: datetime,
+    ttl_seconds: float,
+    *,
+    listening_since: datetime | None = None,
 ) -> TrippedView:
+    """The view of one ProviderPolicy's reports at `now`. A report expires when its pod was
+    not heard from for `ttl_seconds` **while the operator could hear it**: silence before
+    `listening_since` (when the operator last regained the API server) does not count, so
+    after an outage every pod has a full TTL to report again."""
     reports, expired = read_reports(raw_reports)
     live: list[PodReport] = []
+    ttl = timedelta(seconds=ttl_seconds)
     for report in reports:
-        if now - report.observed_at > timedelta(seconds=ttl_seconds):
+        heard = report.observed_at
+        if listening_since is not None and listening_since > heard:
+            heard = listening_since
+        if now - heard > ttl:
             expired.append(report.pod)
         else:
             live.append(report)

@@ -19,7 +19,10 @@ from datetime import datetime
 from typing import Any, Final, Protocol
 
 from rolegate_operator.conditions import EventNote, find_condition
-from rolegate_operator.store import ResourceKey, Store
+from rolegate_operator.kube import describe_error
+from rolegate_operator.leader import Leadership, always_leading
+from rolegate_operator.metrics import OperatorMetrics
+from rolegate_operator.store import ResourceKey, Store, StoredResource
 from rolegate_operator.tripped import TrippedView, aggregate, condition_body, events
 from rolegate_policy.status import TRIPPED
 
@@ -34,7 +37,9 @@ class TrippedWriter(Protocol):
         self, key: ResourceKey, status: Mapping[str, Any], field_manager: str = ...
     ) -> Mapping[str, Any] | None: ...
 
-    def remove_reports(self, key: ResourceKey, reports: Any, pods: Any) -> None: ...
+    def remove_reports(
+        self, key: ResourceKey, reports: Any, pods: Any
+    ) -> Mapping[str, Any] | None: ...
 
     def post_event(self, key: ResourceKey, uid: str, note: EventNote, now: datetime) -> None: ...
 
@@ -47,6 +52,8 @@ class TrippedLoop:
         *,
         now: Callable[[], datetime],
         ttl_seconds: float,
+        leadership: Leadership | None = None,
+        metrics: OperatorMetrics | None = None,
         tick_seconds: float = 5.0,
         coalesce_seconds: float = 0.2,
     ) -> None:
@@ -54,10 +61,15 @@ class TrippedLoop:
         self._kube = kube
         self._now = now
         self._ttl = ttl_seconds
+        self._leadership = leadership or always_leading()
+        self._metrics = metrics or OperatorMetrics()
         self._tick = tick_seconds
         self._coalesce = coalesce_seconds
         self._changed = asyncio.Event()
         self._views: dict[ResourceKey, TrippedView] = {}
+        # When the API server was last regained after a failed pass (None: never lost).
+        self._listening_since: datetime | None = None
+        self._lost = False
 
     def observe(self) -> None:
         self._changed.set()
@@ -71,48 +83,85 @@ class TrippedLoop:
             try:
                 await asyncio.to_thread(self.run_pass)
             except Exception as error:  # the API server may be away: the next tick retries
-                log.warning("tripped pass failed error=%s", error)
+                self.lost(error)
+
+    def lost(self, error: BaseException) -> None:
+        """A pass failed: until one succeeds, the pods' reports may not have reached the
+        server, so their silence must not count against them."""
+        self._lost = True
+        log.warning("tripped pass failed error=%s", describe_error(error))
 
     def run_pass(self) -> int:
-        """Evaluate every ProviderPolicy; returns how many writes were made."""
+        """Evaluate every ProviderPolicy; returns how many writes were made. Only the
+        leader writes; a standby keeps its views current, so after taking over it posts
+        Events only for what changes from then on."""
         now = self._now()
+        if self._lost:
+            # The first pass since the API server came back: reports could not be
+            # refreshed meanwhile, so their silence restarts counting now.
+            self._listening_since = now
+            self._lost = False
         writes = 0
         present: set[ResourceKey] = set()
         for key, resource in self._store.snapshot().items():
             if key.kind != PROVIDER_POLICY:
                 continue
             present.add(key)
-            status = resource.status
-            reports = [r for r in status.get("reports") or () if isinstance(r, Mapping)]
-            view = aggregate(reports, resource.generation, now, self._ttl)
-            previous = self._views.get(key)
-            if view.expired_pods:
-                self._kube.remove_reports(key, reports, view.expired_pods)
-                writes += 1
-                log.info("reports expired resource=%s pods=%s", key, ",".join(view.expired_pods))
-            existing = find_condition(status, TRIPPED)
-            if existing is None and not view.live_pods:
-                # No proxy pod has reported on this provider: nothing to say yet.
-                self._views[key] = view
-                continue
-            desired = condition_body(view, existing, now)
-            if not _same(existing, desired) or (status.get("tripped") or "") != view.summary:
-                self._kube.apply_status(
-                    key,
-                    {"conditions": [desired], "tripped": view.summary},
-                    field_manager=FIELD_MANAGER,
-                )
-                writes += 1
-            if previous is not None or view.entries:
-                # After a restart the first view has no predecessor: Events only for what
-                # is tripped now and was not known to be (recoveries need a predecessor).
-                for note in events(previous, view):
-                    self._kube.post_event(key, resource.uid, note, now)
-                    writes += 1
-            self._views[key] = view
+            writes += self._evaluate(key, resource, now)
         for gone in set(self._views) - present:
             del self._views[gone]
+        self._metrics.reports.set(sum(len(view.live_pods) for view in self._views.values()))
+        self._metrics.status_writes.labels("reports").inc(writes)
         return writes
+
+    def _evaluate(self, key: ResourceKey, resource: StoredResource, now: datetime) -> int:
+        writes = 0
+        leading = self._leadership.leading
+        status = resource.status
+        view = self._view(status, resource.generation, now)
+        if view.expired_pods and leading:
+            written = self._kube.remove_reports(key, _reports(status), view.expired_pods)
+            if written is None:
+                # A report changed since this copy (the pod is back) or the object is gone:
+                # judge again from what the watch delivers next, never from this copy.
+                return 0
+            writes += 1
+            self._metrics.expired_reports.inc(len(view.expired_pods))
+            log.info("reports expired resource=%s pods=%s", key, ",".join(view.expired_pods))
+            self._store.record_write(written)
+            status = written.get("status") or {}
+            view = self._view(status, resource.generation, now)
+        previous = self._views.get(key)
+        self._views[key] = view
+        existing = find_condition(status, TRIPPED)
+        if existing is None and not view.live_pods:
+            return writes  # no proxy pod has reported on this provider: nothing to say yet
+        if not leading:
+            return writes
+        desired = condition_body(view, existing, now)
+        if not _same(existing, desired) or (status.get("tripped") or "") != view.summary:
+            self._kube.apply_status(
+                key,
+                {"conditions": [desired], "tripped": view.summary},
+                field_manager=FIELD_MANAGER,
+            )
+            writes += 1
+        if previous is not None or view.entries:
+            # After a restart the first view has no predecessor: Events only for what
+            # is tripped now and was not known to be (recoveries need a predecessor).
+            for note in events(previous, view):
+                self._kube.post_event(key, resource.uid, note, now)
+                writes += 1
+        return writes
+
+    def _view(self, status: Mapping[str, Any], generation: int, now: datetime) -> TrippedView:
+        return aggregate(
+            _reports(status), generation, now, self._ttl, listening_since=self._listening_since
+        )
+
+
+def _reports(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [r for r in status.get("reports") or () if isinstance(r, Mapping)]
 
 
 def _same(existing: Mapping[str, Any] | None, desired: Mapping[str, Any]) -> bool:
