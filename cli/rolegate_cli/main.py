@@ -250,6 +250,15 @@ def _parser() -> argparse.ArgumentParser:
         "compile", help="compile a directory of manifests and print the configuration"
     )
     compile_.add_argument("directory", type=Path)
+    compile_.add_argument(
+        "--rulings",
+        action="store_true",
+        help=(
+            "print one line per compiled role instead of the JSON, for diffing two versions: "
+            "TABLE ROLE ruling=DECLARED->EFFECTIVE delivery=DECLARED->EFFECTIVE models=M1,M2 "
+            "(the report stays on stderr)"
+        ),
+    )
     compile_.set_defaults(handler=_run_compile)
 
     dev_cluster = commands.add_parser(
@@ -459,7 +468,7 @@ def _run_sim(args: argparse.Namespace) -> int:
 def _run_compile(args: argparse.Namespace) -> int:
     from rolegate_policy.compile import run_compile
 
-    return run_compile(args.directory, sys.stdout, sys.stderr)
+    return run_compile(args.directory, sys.stdout, sys.stderr, rulings=args.rulings)
 
 
 def _run_dev_cluster(args: argparse.Namespace) -> int:

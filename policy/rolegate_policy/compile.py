@@ -57,7 +57,7 @@ from rolegate_policy.model import (
     TimeoutsSpec,
     parse_spec,
 )
-from rolegate_policy.report import format_report, render_json
+from rolegate_policy.report import format_report, format_rulings, render_json
 from rolegate_policy.rulings import resolve_delivery, resolve_ruling, seconds
 from rolegate_policy.verdicts import (
     AcceptedReason,
@@ -73,6 +73,7 @@ __all__ = [
     "compile_loaded",
     "compile_manifests",
     "format_report",
+    "format_rulings",
     "render_json",
     "run_compile",
 ]
@@ -149,10 +150,11 @@ def compile_directory(path: Path) -> CompileResult:
     return compile_loaded(load_manifest_dir(path))
 
 
-def run_compile(directory: Path, stdout: TextIO, stderr: TextIO) -> int:
-    """`rolegate compile DIR`: JSON `{config, verdicts, ignored}` on stdout, the
-    human-readable report on stderr. Exit status 1 when any resource was rejected,
-    when the directory is missing, or when it holds no rolegate resource; 0 otherwise.
+def run_compile(directory: Path, stdout: TextIO, stderr: TextIO, *, rulings: bool = False) -> int:
+    """`rolegate compile DIR`: JSON `{config, verdicts, ignored}` on stdout, or with
+    `rulings` one plain line per compiled role instead; the human-readable report on
+    stderr either way. Exit status 1 when any resource was rejected, when the directory
+    is missing, or when it holds no rolegate resource; 0 otherwise.
     """
     try:
         load = load_manifest_dir(directory)
@@ -160,7 +162,7 @@ def run_compile(directory: Path, stdout: TextIO, stderr: TextIO) -> int:
         stderr.write(f"rolegate compile: {error}\n")
         return 1
     result = compile_loaded(load)
-    stdout.write(render_json(result))
+    stdout.write(format_rulings(result) if rulings else render_json(result))
     stderr.write(format_report(result))
     if not result.verdicts:
         found = f"{len(load.files)} file(s) read" if load.files else "no *.yaml or *.yml files"

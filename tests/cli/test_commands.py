@@ -75,7 +75,7 @@ def test_compile_prints_the_configuration_and_the_rulings() -> None:
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert document["config"]["hash"].startswith("sha256:")
-    assert "reflex → Only" in result.stderr
+    assert "role rolegate/agents reflex: ruling Auto → Only" in result.stderr
 
 
 def test_compile_with_one_invalid_resource_names_file_resource_and_field(tmp_path: Path) -> None:

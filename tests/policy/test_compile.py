@@ -17,7 +17,7 @@ from rolegate_policy.enums import (
     Visibility,
 )
 from rolegate_policy.manifests import Manifest, ManifestError, manifest_from_object
-from rolegate_policy.report import format_report, render_json
+from rolegate_policy.report import format_report, format_rulings, render_json
 from rolegate_policy.rulings import resolve_ruling
 from rolegate_policy.verdicts import AcceptedReason, CompileResult, ResourceVerdict
 
@@ -324,6 +324,7 @@ def test_shuffled_input_gives_byte_identical_output(seed: int) -> None:
     assert again.config.hash == baseline.config.hash
     assert render_json(again) == render_json(baseline)
     assert format_report(again) == format_report(baseline)
+    assert format_rulings(again) == format_rulings(baseline)
 
 
 def test_hash_ignores_sources_of_files_but_not_content() -> None:

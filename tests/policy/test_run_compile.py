@@ -29,8 +29,16 @@ def test_examples_compile_cleanly() -> None:
         "✓ ProviderPolicy rolegate/sim-router (providers.yaml): accepted; 2 models on 5 "
         "machines (Aggregator dialect)"
     )
-    assert "reflex → Only (Auto: Unwatched and patience 4s is under the 10s threshold" in stderr
-    assert "Buffered (Auto: Unwatched, so the answer is held until complete and judged" in stderr
+    # One line per role beneath its table, by role name.
+    roles = [line for line in stderr.splitlines() if line.startswith("  role ")]
+    assert [line.split(":")[0] for line in roles] == [
+        "  role rolegate/agents agent",
+        "  role rolegate/agents batch",
+        "  role rolegate/agents reflex",
+    ]
+    assert "ruling Auto → Only (Auto: Unwatched and patience 4s is under the 10s" in roles[2]
+    assert "delivery Auto → Buffered (Auto: Unwatched, so the answer is held until" in roles[2]
+    assert roles[0].endswith("; models qwen/qwen3-coder, deepseek/deepseek-v3")
     assert stderr.rstrip().endswith("2 resources accepted")
 
 
