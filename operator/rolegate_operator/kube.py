@@ -205,6 +205,10 @@ class Kube:
             raise
         return dict(_mapping(written))
 
+    def check_reachable(self) -> None:
+        """Raises unless the API server answers (GET /version: any identity may read it)."""
+        client.VersionApi(self._client).get_code(_request_timeout=REQUEST_TIMEOUT)
+
     def read_lease(self, namespace: str, name: str) -> LeaseRecord | None:
         try:
             lease = self._coordination.read_namespaced_lease(

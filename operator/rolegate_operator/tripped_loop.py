@@ -43,6 +43,8 @@ class TrippedWriter(Protocol):
 
     def post_event(self, key: ResourceKey, uid: str, note: EventNote, now: datetime) -> None: ...
 
+    def check_reachable(self) -> None: ...
+
 
 class TrippedLoop:
     def __init__(
@@ -97,8 +99,10 @@ class TrippedLoop:
         Events only for what changes from then on."""
         now = self._now()
         if self._lost:
-            # The first pass since the API server came back: reports could not be
-            # refreshed meanwhile, so their silence restarts counting now.
+            # Only a call that succeeds proves the API server is back (a pass with nothing
+            # to write proves nothing). Reports could not be refreshed meanwhile, so their
+            # silence restarts counting now.
+            self._kube.check_reachable()
             self._listening_since = now
             self._lost = False
         writes = 0

@@ -4,6 +4,7 @@ two proxy processes as two pods, the operator, and `kubectl get pp` as a person 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -67,8 +68,11 @@ class Stack:
         return statuses
 
 
-@pytest.fixture
-async def stack(crds: ControlPlane, namespace: str, sim_server: SimFactory) -> AsyncIterator[Stack]:
+@contextlib.asynccontextmanager
+async def running_stack(
+    crds: ControlPlane, namespace: str, sim_server: SimFactory, *, report_ttl: float = 6
+) -> AsyncIterator[Stack]:
+    """The simulator, the resources, the operator and two proxy pods."""
     sim = await sim_server(
         {"seed": 1, "models": [{"name": MODEL, "machines": [{"name": "m1", "ttftSeconds": 0}]}]}
     )
@@ -83,7 +87,7 @@ async def stack(crds: ControlPlane, namespace: str, sim_server: SimFactory) -> A
     proxies: dict[str, str] = {}
     try:
         processes["operator"] = await start_cli(
-            "operator", "--namespace", namespace, "--report-ttl-seconds", "6", *kube
+            "operator", "--namespace", namespace, "--report-ttl-seconds", str(report_ttl), *kube
         )
         for pod in ("proxy-a", "proxy-b"):
             port = free_port()
@@ -99,6 +103,12 @@ async def stack(crds: ControlPlane, namespace: str, sim_server: SimFactory) -> A
     finally:
         for process in processes.values():
             await stop(process)
+
+
+@pytest.fixture
+async def stack(crds: ControlPlane, namespace: str, sim_server: SimFactory) -> AsyncIterator[Stack]:
+    async with running_stack(crds, namespace, sim_server) as running:
+        yield running
 
 
 def _pods(status: dict[str, Any]) -> set[str]:
