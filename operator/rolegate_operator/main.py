@@ -253,7 +253,7 @@ def run_operator(
         leadership=leadership,
         metrics=metrics,
     )
-    leadership.on_gain += [controller.resync, tripped.observe]
+    leadership.on_gain += [controller.resync, tripped.resync]
     leadership.on_change.append(metrics.set_leader)
     metrics.set_leader(leadership.leading)
     metrics.watch(options.namespaces)

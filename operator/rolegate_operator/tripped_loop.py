@@ -76,6 +76,13 @@ class TrippedLoop:
     def observe(self) -> None:
         self._changed.set()
 
+    def resync(self) -> None:
+        """This replica just became the leader. It cannot know whether the pods' reports
+        reached the server while another replica (or nobody) was in charge, so they all
+        get a full TTL from the first call that reaches the API server."""
+        self._lost = True
+        self._changed.set()
+
     async def run(self) -> None:
         while True:
             with contextlib.suppress(TimeoutError):

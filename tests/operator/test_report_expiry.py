@@ -11,6 +11,7 @@ from typing import Any
 from kubernetes import client
 
 from rolegate_operator.kube import Kube, load_configuration
+from rolegate_operator.leader import Leadership
 from rolegate_operator.store import ResourceKey, Store
 from rolegate_operator.tripped_loop import TrippedLoop
 from tests.policy.builders import provider
@@ -124,3 +125,28 @@ def test_after_an_outage_every_pod_has_a_full_ttl_to_report_again(cluster: Clust
     loop.run_pass()
     assert pods(cluster) == []
     assert tripped_condition(cluster)["status"] == "False"
+
+
+def test_a_new_leader_gives_every_pod_a_full_ttl_before_expiring_it(cluster: Cluster) -> None:
+    """A replica that takes over (after a failover, or after losing the Lease during an
+    outage) cannot know whether the pods' reports reached the server meanwhile."""
+    cluster.apply(provider(KEY_NAME, namespace=None))
+    kube = Kube(load_configuration(str(cluster.plane.kubeconfig)))
+    clock = [datetime.now(UTC)]
+    store = Store()
+    leadership = Leadership(leading=False)
+    loop = TrippedLoop(store, kube, now=lambda: clock[0], ttl_seconds=90, leadership=leadership)
+    leadership.on_gain.append(loop.resync)
+    report(cluster, "proxy-a", clock[0])
+    store.observe("MODIFIED", cluster.get("pp", KEY_NAME))
+
+    # As a standby it watches the report age past the TTL, writing nothing.
+    clock[0] += timedelta(seconds=300)
+    assert loop.run_pass() == 0
+    leadership.set(True)
+    loop.run_pass()
+    assert pods(cluster) == ["proxy-a"]
+
+    clock[0] += timedelta(seconds=91)
+    loop.run_pass()
+    assert pods(cluster) == []
