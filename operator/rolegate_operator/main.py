@@ -25,6 +25,7 @@ from kubernetes import client
 
 from rolegate_operator.controller import Controller, Options, utc_now
 from rolegate_operator.kube import Kube, connection_info, describe_error
+from rolegate_operator.recorder import EventRecorder
 from rolegate_operator.store import GROUP, KINDS, VERSION, Store
 from rolegate_operator.tripped_loop import TrippedLoop
 
@@ -187,12 +188,16 @@ def run_operator(
             "install the CRDs first: kubectl apply -f deploy/crds/"
         )
     store = Store()
+    # One recorder for both loops: Events are aggregated and rate-limited across them.
+    events = EventRecorder(kube)
     runtime = Runtime(
         options=options,
         configuration=configuration,
         kube=kube,
-        controller=Controller(options, store, kube),
-        tripped=TrippedLoop(store, kube, now=utc_now, ttl_seconds=options.report_ttl_seconds),
+        controller=Controller(options, store, kube, events=events),
+        tripped=TrippedLoop(
+            store, kube, events=events, now=utc_now, ttl_seconds=options.report_ttl_seconds
+        ),
     )
     kopf.run(
         registry=REGISTRY,

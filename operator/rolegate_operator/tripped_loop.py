@@ -6,7 +6,9 @@ aggregates the live reports (tripped.py), and writes what changed: the `Tripped`
 condition and the `status.tripped` summary, with server-side apply under a field manager
 of its own (`rolegate-operator/tripped`, so the compile loop's `Accepted` and this never
 remove each other's fields); an Event per trip and per recovery; and the removal of
-reports whose pods were not heard from within the TTL.
+reports whose pods were not heard from within the TTL. Events go through the recorder the
+compile loop shares (`recorder.EventRecorder`), and each pass first flushes the Event
+counts it held back (a key is written at most once a minute; see `events`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Final, Protocol
 
-from rolegate_operator.conditions import EventNote, find_condition
+from rolegate_operator.conditions import find_condition
+from rolegate_operator.recorder import BufferedEventSink
 from rolegate_operator.store import ResourceKey, Store
 from rolegate_operator.tripped import TrippedView, aggregate, condition_body, events
 from rolegate_policy.status import TRIPPED
@@ -36,8 +39,6 @@ class TrippedWriter(Protocol):
 
     def remove_reports(self, key: ResourceKey, reports: Any, pods: Any) -> None: ...
 
-    def post_event(self, key: ResourceKey, uid: str, note: EventNote, now: datetime) -> None: ...
-
 
 class TrippedLoop:
     def __init__(
@@ -45,6 +46,7 @@ class TrippedLoop:
         store: Store,
         kube: TrippedWriter,
         *,
+        events: BufferedEventSink,
         now: Callable[[], datetime],
         ttl_seconds: float,
         tick_seconds: float = 5.0,
@@ -52,6 +54,7 @@ class TrippedLoop:
     ) -> None:
         self._store = store
         self._kube = kube
+        self._events = events
         self._now = now
         self._ttl = ttl_seconds
         self._tick = tick_seconds
@@ -76,7 +79,9 @@ class TrippedLoop:
     def run_pass(self) -> int:
         """Evaluate every ProviderPolicy; returns how many writes were made."""
         now = self._now()
-        writes = 0
+        # First, so a failing status write below never holds back the pending Event counts
+        # (of this loop's Events and the compile loop's).
+        writes = self._events.flush(now)
         present: set[ResourceKey] = set()
         for key, resource in self._store.snapshot().items():
             if key.kind != PROVIDER_POLICY:
@@ -107,8 +112,7 @@ class TrippedLoop:
                 # After a restart the first view has no predecessor: Events only for what
                 # is tripped now and was not known to be (recoveries need a predecessor).
                 for note in events(previous, view):
-                    self._kube.post_event(key, resource.uid, note, now)
-                    writes += 1
+                    writes += self._events.record(key, resource.uid, note, now)
             self._views[key] = view
         for gone in set(self._views) - present:
             del self._views[gone]
