@@ -154,13 +154,23 @@ class EventNote:
     message: str
 
 
+COMPILED_REASON: Final = "Compiled"
+
+
 def transition_event(
-    previous: Mapping[str, Any] | None, desired: DesiredCondition
+    previous: Mapping[str, Any] | None, desired: DesiredCondition, config_hash: str
 ) -> EventNote | None:
-    """The Event an `Accepted` change deserves, if any: a Warning when a resource becomes
-    rejected or is rejected for a different reason or message; a Normal one when a
-    rejected resource recovers. Nothing when the verdict is unchanged, so a recompile
-    caused by another resource posts nothing."""
+    """The Event an `Accepted` write deserves, if any, given the condition the resource
+    carried before (`previous`) and the hash of the configuration this pass serves:
+
+    - a Warning when a resource becomes rejected, or is rejected for a different reason or
+      message;
+    - a Normal one (the condition's reason and message) when a rejected resource recovers;
+    - a Normal `Compiled` one naming the generation and `config_hash` when a resource is
+      accepted at a new generation, having been accepted before or being new.
+
+    Nothing when the verdict and the generation are unchanged, so a recompile caused by
+    another resource posts nothing for this one."""
     old_status = previous.get("status") if previous is not None else None
     if desired.status is ConditionStatus.FALSE:
         same = (
@@ -170,6 +180,19 @@ def transition_event(
             and previous.get("message") == desired.message
         )
         return None if same else EventNote("Warning", desired.reason, desired.message)
-    if desired.status is ConditionStatus.TRUE and old_status == ConditionStatus.FALSE.value:
+    if desired.status is not ConditionStatus.TRUE:
+        return None
+    if old_status == ConditionStatus.FALSE.value:
         return EventNote("Normal", desired.reason, desired.message)
+    if (
+        previous is None
+        or old_status != ConditionStatus.TRUE.value
+        or previous.get("observedGeneration") != desired.observed_generation
+    ):
+        generation = desired.observed_generation
+        return EventNote(
+            "Normal",
+            COMPILED_REASON,
+            f"Generation {generation} compiled; served in configuration {config_hash}.",
+        )
     return None

@@ -7,7 +7,8 @@ signal, lets a burst of changes settle (`debounce_quiet` without a new change, a
 1. the ConfigMap, when the compiled hash differs from the last one written (and on every
    periodic resync, which also repairs a ConfigMap edited or deleted by hand);
 2. the status of each resource whose owned status fields differ from what it carries;
-3. an Event for each resource whose `Accepted` verdict changed (see `conditions`).
+3. an Event for each resource whose `Accepted` verdict or accepted generation changed
+   (see `conditions`), through the shared `recorder.EventRecorder`.
 
 The ConfigMap goes first, so a status never says a generation is served before it is.
 A failed pass is retried with backoff; while the API server is unreachable nothing is
@@ -30,7 +31,6 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from rolegate_operator.conditions import (
-    EventNote,
     find_condition,
     status_patch,
     transition_event,
@@ -39,6 +39,7 @@ from rolegate_operator.kube import ConfigMapWrite, describe_error
 from rolegate_operator.leader import Leadership, always_leading
 from rolegate_operator.metrics import OperatorMetrics
 from rolegate_operator.reconcile import AcceptedVersion, ReconcileResult, reconcile
+from rolegate_operator.recorder import EventSink
 from rolegate_operator.store import KINDS, ResourceKey, Store
 from rolegate_policy.config import (
     ProxyConfig,
@@ -76,8 +77,6 @@ class KubeWriter(Protocol):
         self, key: ResourceKey, status: Mapping[str, Any]
     ) -> Mapping[str, Any] | None: ...
 
-    def post_event(self, key: ResourceKey, uid: str, note: EventNote, now: datetime) -> None: ...
-
     def sync_configmap(
         self, namespace: str, name: str, proxy_config: ProxyConfig
     ) -> ConfigMapWrite: ...
@@ -103,6 +102,7 @@ class Controller:
         store: Store,
         kube: KubeWriter,
         *,
+        events: EventSink,
         now: Callable[[], datetime] = utc_now,
         monotonic: Callable[[], float] = time.monotonic,
         leadership: Leadership | None = None,
@@ -113,6 +113,7 @@ class Controller:
         self._metrics = metrics or OperatorMetrics()
         self.store = store
         self._kube = kube
+        self._events = events
         self._now = now
         self._monotonic = monotonic
         self._changed = asyncio.Event()
@@ -260,10 +261,12 @@ class Controller:
             accepted.reason,
             outcome.served_generation,
         )
-        note = transition_event(find_condition(current.status, ACCEPTED), accepted)
+        note = transition_event(
+            find_condition(current.status, ACCEPTED), accepted, result.config.hash
+        )
         if note is not None:
             try:
-                await asyncio.to_thread(self._kube.post_event, key, outcome.uid, note, now)
+                await asyncio.to_thread(self._events.record, key, outcome.uid, note, now)
             except Exception as error:  # Events are best effort; the status says it all
                 log.warning("event not posted resource=%s error=%s", key, describe_error(error))
         return True

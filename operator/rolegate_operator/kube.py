@@ -5,8 +5,9 @@ a request timeout so a hung API server cannot hold a thread forever:
 
 - status: server-side apply on the `/status` subresource as field manager
   `rolegate-operator`, sending only the fields the operator owns (see `conditions`);
-- Events: core/v1 Events about a resource (a Warning per rejection, a Normal per
-  recovery), so `kubectl describe` shows them;
+- Events: core/v1 Events about a resource, created and then patched with a growing
+  `count` as `recorder.EventRecorder` decides (see `events`), so `kubectl describe` shows
+  them;
 - the ConfigMap: `data["config.json"]` (the canonical JSON of the compiled
   configuration), annotation `rolegate.dev/config-hash`, label
   `app.kubernetes.io/managed-by: rolegate-operator`; read first and written only when
@@ -29,7 +30,8 @@ from typing import Any, Final
 import kopf
 from kubernetes import client, config
 
-from rolegate_operator.conditions import EventNote
+from rolegate_operator.conditions import format_time
+from rolegate_operator.events import EventKey
 from rolegate_operator.leader import LeaseRecord, micro_time
 from rolegate_operator.store import API_VERSION, GROUP, KINDS, VERSION, ResourceKey
 from rolegate_policy.config import (
@@ -45,8 +47,6 @@ REQUEST_TIMEOUT: Final = (5.0, 30.0)
 # Lease calls must answer well within the renew deadline (10 s by default).
 LEASE_TIMEOUT: Final = (2.0, 4.0)
 CONFLICT_RETRIES: Final = 5
-# Event messages are shown in one line by `kubectl describe`; events.k8s.io caps notes at 1 KiB.
-EVENT_MESSAGE_LIMIT: Final = 1024
 
 log = logging.getLogger("rolegate.operator.kube")
 
@@ -259,34 +259,51 @@ class Kube:
             raise
         return True
 
-    def post_event(self, key: ResourceKey, uid: str, note: EventNote, now: datetime) -> None:
-        """A core/v1 Event about the resource (shown by `kubectl describe`)."""
-        message = note.message
-        if len(message) > EVENT_MESSAGE_LIMIT:
-            message = message[: EVENT_MESSAGE_LIMIT - 1] + "…"
+    def create_event(self, key: EventKey, count: int, first: datetime, last: datetime) -> str:
+        """A core/v1 Event about the resource (shown by `kubectl describe`), carrying `count`
+        occurrences (see `events`); its name."""
+        resource = key.resource
+        name = f"{resource.name[:200]}.{uuid.uuid4().hex[:16]}"
         event = client.CoreV1Event(
-            metadata=client.V1ObjectMeta(
-                name=f"{key.name[:200]}.{uuid.uuid4().hex[:16]}", namespace=key.namespace
-            ),
+            metadata=client.V1ObjectMeta(name=name, namespace=resource.namespace),
             involved_object=client.V1ObjectReference(
                 api_version=API_VERSION,
-                kind=key.kind,
-                name=key.name,
-                namespace=key.namespace,
-                uid=uid,
+                kind=resource.kind,
+                name=resource.name,
+                namespace=resource.namespace,
+                uid=key.uid,
             ),
-            type=note.type,
-            reason=note.reason,
-            message=message,
+            type=key.type,
+            reason=key.reason,
+            message=key.message,
             action="Compile",
-            first_timestamp=now,
-            last_timestamp=now,
-            count=1,
+            first_timestamp=first,
+            last_timestamp=last,
+            count=count,
             source=client.V1EventSource(component=FIELD_MANAGER),
             reporting_component=FIELD_MANAGER,
             reporting_instance=self._instance,
         )
-        self._core.create_namespaced_event(key.namespace, event, _request_timeout=REQUEST_TIMEOUT)
+        self._core.create_namespaced_event(
+            resource.namespace, event, _request_timeout=REQUEST_TIMEOUT
+        )
+        return name
+
+    def patch_event_count(self, namespace: str, name: str, count: int, last: datetime) -> bool:
+        """Set an Event's `count` and `lastTimestamp` (a merge patch); False when the Event
+        no longer exists (deleted, or expired by the API server's event TTL)."""
+        body = {"count": count, "lastTimestamp": format_time(last)}
+        try:
+            self._core.patch_namespaced_event(
+                name, namespace, body,
+                _content_type="application/merge-patch+json",
+                _request_timeout=REQUEST_TIMEOUT,
+            )  # fmt: skip
+        except client.ApiException as error:
+            if error.status == 404:
+                return False
+            raise
+        return True
 
     def sync_configmap(
         self, namespace: str, name: str, proxy_config: ProxyConfig

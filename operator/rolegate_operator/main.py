@@ -32,6 +32,7 @@ from rolegate_operator.controller import Controller, Options, utc_now
 from rolegate_operator.kube import Kube, connection_info, describe_error
 from rolegate_operator.leader import ElectionOptions, Elector, Leadership, always_leading
 from rolegate_operator.metrics import OperatorMetrics
+from rolegate_operator.recorder import EventRecorder
 from rolegate_operator.store import GROUP, KINDS, VERSION, Store
 from rolegate_operator.tripped_loop import TrippedLoop
 
@@ -244,10 +245,15 @@ def run_operator(
     leadership = Leadership() if election is not None else always_leading()
     metrics = OperatorMetrics()
     store = Store()
-    controller = Controller(options, store, kube, leadership=leadership, metrics=metrics)
+    # One recorder for both loops: Events are aggregated and rate-limited across them.
+    events = EventRecorder(kube)
+    controller = Controller(
+        options, store, kube, events=events, leadership=leadership, metrics=metrics
+    )
     tripped = TrippedLoop(
         store,
         kube,
+        events=events,
         now=utc_now,
         ttl_seconds=options.report_ttl_seconds,
         leadership=leadership,

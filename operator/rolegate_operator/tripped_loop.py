@@ -6,7 +6,9 @@ aggregates the live reports (tripped.py), and writes what changed: the `Tripped`
 condition and the `status.tripped` summary, with server-side apply under a field manager
 of its own (`rolegate-operator/tripped`, so the compile loop's `Accepted` and this never
 remove each other's fields); an Event per trip and per recovery; and the removal of
-reports whose pods were not heard from within the TTL.
+reports whose pods were not heard from within the TTL. Events go through the recorder the
+compile loop shares (`recorder.EventRecorder`), and each pass first flushes the Event
+counts it held back (a key is written at most once a minute; see `events`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any, Final, Protocol
 
-from rolegate_operator.conditions import EventNote, find_condition
+from rolegate_operator.conditions import find_condition
 from rolegate_operator.kube import describe_error
 from rolegate_operator.leader import Leadership, always_leading
 from rolegate_operator.metrics import OperatorMetrics
+from rolegate_operator.recorder import BufferedEventSink
 from rolegate_operator.store import ResourceKey, Store, StoredResource
 from rolegate_operator.tripped import TrippedView, aggregate, condition_body, events
 from rolegate_policy.status import TRIPPED
@@ -41,8 +44,6 @@ class TrippedWriter(Protocol):
         self, key: ResourceKey, reports: Any, pods: Any
     ) -> Mapping[str, Any] | None: ...
 
-    def post_event(self, key: ResourceKey, uid: str, note: EventNote, now: datetime) -> None: ...
-
     def check_reachable(self) -> None: ...
 
 
@@ -52,6 +53,7 @@ class TrippedLoop:
         store: Store,
         kube: TrippedWriter,
         *,
+        events: BufferedEventSink,
         now: Callable[[], datetime],
         ttl_seconds: float,
         leadership: Leadership | None = None,
@@ -61,6 +63,7 @@ class TrippedLoop:
     ) -> None:
         self._store = store
         self._kube = kube
+        self._events = events
         self._now = now
         self._ttl = ttl_seconds
         self._leadership = leadership or always_leading()
@@ -112,7 +115,9 @@ class TrippedLoop:
             self._kube.check_reachable()
             self._listening_since = now
             self._lost = False
-        writes = 0
+        # Events first (only the leader writes them), so a failing status write below never
+        # holds back the pending Event counts (of this loop's Events and the compile loop's).
+        writes = self._events.flush(now) if self._leadership.leading else 0
         present: set[ResourceKey] = set()
         for key, resource in self._store.snapshot().items():
             if key.kind != PROVIDER_POLICY:
@@ -161,8 +166,7 @@ class TrippedLoop:
             # After a restart the first view has no predecessor: Events only for what
             # is tripped now and was not known to be (recoveries need a predecessor).
             for note in events(previous, view):
-                self._kube.post_event(key, resource.uid, note, now)
-                writes += 1
+                writes += self._events.record(key, resource.uid, note, now)
         return writes
 
     def _view(self, status: Mapping[str, Any], generation: int, now: datetime) -> TrippedView:

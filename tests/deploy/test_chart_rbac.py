@@ -635,7 +635,7 @@ def operator_answers(
     for ns in release.watched:
         yes += [(ns, [verb, kind]) for kind in kinds for verb in ("list", "watch")]
         yes += [(ns, ["patch", kind, "--subresource=status"]) for kind in kinds]
-        yes += [(ns, ["create", "events"])]
+        yes += [(ns, ["create", "events"]), (ns, ["patch", "events"])]
         # list and watch only: not even `get` (kopf and the start-up check list).
         no += [(ns, [verb, kind]) for kind in kinds for verb in (
             "get", "patch", "update", "create", "delete", "deletecollection")]  # fmt: skip
@@ -648,7 +648,7 @@ def operator_answers(
             (ns, ["update", "configmaps/some-other-config"]),
             (ns, ["list", "configmaps"]),
             (ns, ["delete", "events"]),
-            (ns, ["patch", "events"]),
+            (ns, ["update", "events"]),
             *((ns, question) for question in ESCALATION),
         ]
     yes += [
@@ -664,6 +664,7 @@ def operator_answers(
         (elsewhere, ["list", "roletables.rolegate.dev"]),
         (elsewhere, ["patch", "providerpolicies.rolegate.dev", "--subresource=status"]),
         (elsewhere, ["create", "events"]),
+        (elsewhere, ["patch", "events"]),
         (elsewhere, ["create", "configmaps"]),
         (elsewhere, ["get", configmap]),
     ]

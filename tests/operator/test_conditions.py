@@ -173,39 +173,64 @@ def test_find_condition_tolerates_odd_shapes() -> None:
 
 
 REJECTED = accepted(ConditionStatus.FALSE, "NoServedModel", "spec.roles[0].models: none served.")
+HASH = "sha256:0123abcd"
 
 
 def test_a_rejection_posts_one_warning() -> None:
     was_accepted = render_condition(accepted(), None, T0)
-    assert transition_event(was_accepted, REJECTED) == EventNote(
+    assert transition_event(was_accepted, REJECTED, HASH) == EventNote(
         "Warning", "NoServedModel", "spec.roles[0].models: none served."
     )
-    assert transition_event(None, REJECTED) is not None  # rejected on first sight
+    assert transition_event(None, REJECTED, HASH) is not None  # rejected on first sight
 
 
 def test_an_unchanged_rejection_posts_nothing() -> None:
     """A recompile caused by another resource must not repeat the Warning."""
     already = render_condition(REJECTED, None, T0)
-    assert transition_event(already, REJECTED) is None
+    assert transition_event(already, REJECTED, HASH) is None
     # Still rejected at a new generation with the same problem: no new event either.
-    assert transition_event(already, accepted(**{**_fields(REJECTED), "generation": 2})) is None
+    again = accepted(**{**_fields(REJECTED), "generation": 2})
+    assert transition_event(already, again, HASH) is None
 
 
 def test_a_different_rejection_posts_again() -> None:
     already = render_condition(REJECTED, None, T0)
     other = accepted(ConditionStatus.FALSE, "DuplicateName", "spec.roles[0].name: taken.")
-    assert transition_event(already, other) == EventNote(
+    assert transition_event(already, other, HASH) == EventNote(
         "Warning", "DuplicateName", "spec.roles[0].name: taken."
     )
 
 
-def test_recovery_posts_a_normal_event_and_staying_accepted_posts_nothing() -> None:
+def test_recovery_posts_the_conditions_normal_event() -> None:
     rejected = render_condition(REJECTED, None, T0)
-    note = transition_event(rejected, accepted())
-    assert note is not None
-    assert (note.type, note.reason) == ("Normal", "Accepted")
-    assert transition_event(render_condition(accepted(), None, T0), accepted()) is None
-    assert transition_event(None, accepted()) is None
+    assert transition_event(rejected, accepted(generation=2), HASH) == EventNote(
+        "Normal", "Accepted", "Accepted: 1 role (agent → Order)."
+    )
+
+
+def test_a_new_accepted_generation_posts_compiled_with_the_hash_it_is_served_in() -> None:
+    was = render_condition(accepted(), None, T0)
+    assert transition_event(was, accepted(generation=2), HASH) == EventNote(
+        "Normal", "Compiled", "Generation 2 compiled; served in configuration sha256:0123abcd."
+    )
+    # A new resource accepted on first sight is a successful change too.
+    first = transition_event(None, accepted(), HASH)
+    assert first is not None
+    assert (first.type, first.reason) == ("Normal", "Compiled")
+    assert "Generation 1 " in first.message
+    # So is one whose verdict was still Unknown.
+    unknown = render_condition(accepted(ConditionStatus.UNKNOWN, "Pending", "Waiting."), None, T0)
+    assert transition_event(unknown, accepted(), HASH) == first
+
+
+def test_staying_accepted_at_the_same_generation_posts_nothing() -> None:
+    """A recompile caused by another resource (a new hash, even a new message about this
+    one) is no change of this resource."""
+    was = render_condition(accepted(), None, T0)
+    assert transition_event(was, accepted(), HASH) is None
+    assert transition_event(was, accepted(), "sha256:other") is None
+    reworded = accepted(message="Accepted: 1 role (agent → Order); 2 providers.")
+    assert transition_event(was, reworded, HASH) is None
 
 
 def _fields(condition: DesiredCondition) -> dict[str, Any]:

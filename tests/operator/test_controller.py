@@ -54,8 +54,10 @@ class FakeKube:
         }
         return copy.deepcopy(obj)
 
-    def post_event(self, key: ResourceKey, uid: str, note: EventNote, now: datetime) -> None:
+    def record(self, key: ResourceKey, uid: str, note: EventNote, now: datetime) -> int:
+        """The Events the loop asks for (the recorder's own behaviour: test_events.py)."""
         self.events.append((key, note))
+        return 1
 
     def sync_configmap(
         self, namespace: str, name: str, proxy_config: ProxyConfig
@@ -81,7 +83,11 @@ class Clock:
 def setup(*objects: dict[str, Any]) -> tuple[Controller, FakeKube]:
     kube = FakeKube(objects={key_of(obj): copy.deepcopy(obj) for obj in objects})
     controller = Controller(
-        Options(namespaces=("llm",), configmap_namespace="llm"), Store(), kube, now=Clock()
+        Options(namespaces=("llm",), configmap_namespace="llm"),
+        Store(),
+        kube,
+        events=kube,
+        now=Clock(),
     )
     for obj in objects:
         controller.observe(None, obj)
@@ -120,17 +126,21 @@ async def test_a_first_pass_writes_the_configmap_and_every_status() -> None:
     assert kube.configmap == result.config.to_canonical_json()
     assert sorted(kube.status_writes) == sorted([key_of(ROUTER), key_of(TABLE)])
     assert accepted_of(kube, TABLE)["status"] == "True"
-    assert kube.events == []  # accepted on first sight is not news
+    # New resources accepted: each one's first generation is compiled and served.
+    message = f"Generation 1 compiled; served in configuration {result.config.hash}."
+    assert sorted(kube.events) == sorted(
+        (key_of(obj), EventNote("Normal", "Compiled", message)) for obj in (ROUTER, TABLE)
+    )
 
 
 async def test_a_pass_with_nothing_new_writes_nothing() -> None:
     controller, kube = setup(ROUTER, TABLE)
     await controller.run_pass()
     deliver(controller, kube)
-    before = (len(kube.status_writes), kube.configmap_writes)
+    before = (len(kube.status_writes), kube.configmap_writes, len(kube.events))
     await controller.run_pass()
     await controller.run_pass(verify_configmap=True)
-    assert (len(kube.status_writes), kube.configmap_writes) == before
+    assert (len(kube.status_writes), kube.configmap_writes, len(kube.events)) == before
 
 
 async def test_our_write_counts_even_before_the_watch_delivers_it() -> None:
@@ -146,6 +156,7 @@ async def test_a_rejection_warns_once_and_only_the_changed_resource_is_written()
     await controller.run_pass()
     deliver(controller, kube)
     kube.status_writes.clear()
+    kube.events.clear()
     first_config = kube.configmap
 
     change(
@@ -173,9 +184,19 @@ async def test_a_rejection_warns_once_and_only_the_changed_resource_is_written()
         kube,
         as_stored(provider("router", timeouts={"connectSeconds": 3}), generation=2),
     )
-    await controller.run_pass()
+    second = await controller.run_pass()
     assert kube.status_writes == [key_of(TABLE), key_of(ROUTER)]
-    assert len(kube.events) == 1
+    # The edited policy's new generation is news; the still-rejected table posts nothing.
+    assert kube.events[1:] == [
+        (
+            key_of(ROUTER),
+            EventNote(
+                "Normal",
+                "Compiled",
+                f"Generation 2 compiled; served in configuration {second.config.hash}.",
+            ),
+        )
+    ]
 
     deliver(controller, kube)
     change(controller, kube, as_stored(role_table("roles", role("agent")), generation=3))
@@ -183,7 +204,8 @@ async def test_a_rejection_warns_once_and_only_the_changed_resource_is_written()
     assert accepted_of(kube, TABLE)["status"] == "True"
     assert [(note.type, note.reason) for _, note in kube.events] == [
         ("Warning", "NoServedModel"),
-        ("Normal", "Accepted"),
+        ("Normal", "Compiled"),
+        ("Normal", "Accepted"),  # the recovery: its own event, not a Compiled one as well
     ]
 
 

@@ -227,14 +227,16 @@ def test_an_invalid_edit_is_reported_and_the_last_good_configuration_stays(
         alive=[operator],
     )
     wait_for(lambda: configmap_with(cluster, recovered.hash), "the recovered ConfigMap")
-    # One Warning for the one rejection, one Normal for the recovery; none repeated.
+    # One Warning for the one rejection, one Normal for the recovery, one Normal for the
+    # first generation compiled; none repeated.
     wait_for(
-        lambda: any(e["type"] == "Normal" for e in cluster.events("roles-a")),
+        lambda: any(e["reason"] == "Accepted" for e in cluster.events("roles-a")),
         "the recovery Event",
     )
-    assert sorted((e["type"], e["reason"]) for e in cluster.events("roles-a")) == [
-        ("Normal", "Accepted"),
-        ("Warning", "NoServedModel"),
+    assert sorted((e["type"], e["reason"], e["count"]) for e in cluster.events("roles-a")) == [
+        ("Normal", "Accepted", 1),
+        ("Normal", "Compiled", 1),
+        ("Warning", "NoServedModel", 1),
     ]
 
     # Recompiles caused by the others never rewrote the untouched resources: not the

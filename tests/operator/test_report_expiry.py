@@ -12,6 +12,7 @@ from kubernetes import client
 
 from rolegate_operator.kube import Kube, load_configuration
 from rolegate_operator.leader import Leadership
+from rolegate_operator.recorder import EventRecorder
 from rolegate_operator.store import ResourceKey, Store
 from rolegate_operator.tripped_loop import TrippedLoop
 from tests.policy.builders import provider
@@ -90,7 +91,9 @@ def test_after_an_outage_every_pod_has_a_full_ttl_to_report_again(cluster: Clust
     kube = Kube(load_configuration(str(cluster.plane.kubeconfig)))
     clock = [datetime.now(UTC)]
     store = Store()
-    loop = TrippedLoop(store, kube, now=lambda: clock[0], ttl_seconds=90)
+    loop = TrippedLoop(
+        store, kube, events=EventRecorder(kube), now=lambda: clock[0], ttl_seconds=90
+    )
 
     def refresh_store() -> None:
         store.observe("MODIFIED", cluster.get("pp", KEY_NAME))
@@ -135,7 +138,14 @@ def test_a_new_leader_gives_every_pod_a_full_ttl_before_expiring_it(cluster: Clu
     clock = [datetime.now(UTC)]
     store = Store()
     leadership = Leadership(leading=False)
-    loop = TrippedLoop(store, kube, now=lambda: clock[0], ttl_seconds=90, leadership=leadership)
+    loop = TrippedLoop(
+        store,
+        kube,
+        events=EventRecorder(kube),
+        now=lambda: clock[0],
+        ttl_seconds=90,
+        leadership=leadership,
+    )
     leadership.on_gain.append(loop.resync)
     report(cluster, "proxy-a", clock[0])
     store.observe("MODIFIED", cluster.get("pp", KEY_NAME))
