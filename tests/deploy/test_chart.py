@@ -116,18 +116,17 @@ def rules(*items: dict[str, list[str]]) -> set[str]:
     }
 
 
-def documented_operator_rules(configmap: str) -> list[dict[str, list[str]]]:
-    """The Role of docs/operator.md's RBAC section, for a ConfigMap named `configmap`."""
+def documented_operator_rules(configmap: str, lease: str) -> list[dict[str, list[str]]]:
+    """The Role of docs/operator.md's RBAC section, for a ConfigMap named `configmap` and
+    a Lease named `lease` (the documented names are the CLI's defaults)."""
     text = (REPO_ROOT / "docs" / "operator.md").read_text()
     blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.DOTALL)
     roles = [doc for doc in map(yaml.safe_load, blocks) if doc.get("kind") == "Role"]
     assert len(roles) == 1, "docs/operator.md should document exactly one Role"
     documented: list[dict[str, list[str]]] = roles[0]["rules"]
+    rename = {"rolegate-config": configmap, "rolegate-operator": lease}
     return [
-        {
-            key: [configmap if v == "rolegate-config" else v for v in value]
-            for key, value in rule.items()
-        }
+        {key: [rename.get(v, v) for v in value] for key, value in rule.items()}
         for rule in documented
     ]
 
@@ -310,6 +309,10 @@ def template_failing(*args: str) -> subprocess.CompletedProcess[str]:
         ({"watchNamespace": ["a"]}, "watchNamespace"),
         ({"proxy": {"metrics": {"serviceMonitor": {"enable": True}}}}, "enable"),
         ({"proxy": {"resources": {"requests": {"cpus": "1"}}}}, "cpus"),
+        ({"operator": {"replica": 2}}, "replica"),
+        ({"operator": {"leaderElection": {"leaseSecond": 20}}}, "leaseSecond"),
+        ({"operator": {"metrics": {"serviceMonitor": {"label": {}}}}}, "label"),
+        ({"operator": {"podDisruptionBudget": {"minAvailble": 1}}}, "minAvailble"),
     ],
 )
 def test_schema_refuses_a_misspelled_key(
@@ -436,10 +439,12 @@ def test_no_secret_reaches_an_environment_variable(renders: dict[str, Docs], cas
             assert "secretKeyRef" not in entry.get("valueFrom", {}), (component, entry)
         for entry in each.get("envFrom", []):
             assert "secretRef" not in entry, (component, entry)
-    assert container(renders[case], "proxy")["env"] == [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
-    ]
-    assert "env" not in container(renders[case], "operator")
+    # The one variable each pod gets: its own name, from the downward API (the proxy's
+    # report key, the operator's Lease identity).
+    for component in ("operator", "proxy"):
+        assert container(renders[case], component)["env"] == [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+        ], component
 
 
 def test_api_key_secrets_are_read_only_file_mounts(renders: dict[str, Docs]) -> None:
@@ -470,11 +475,16 @@ def test_api_key_secrets_are_read_only_file_mounts(renders: dict[str, Docs]) -> 
 
 
 def test_operator_deployment(renders: dict[str, Docs]) -> None:
+    """Two replicas by default, rolled one at a time (the Lease admits one writer), each
+    told its Lease, the Lease timings, its pod name and where to serve metrics."""
     name = fullname(RELEASE)
     for case, watched in (("default", [NS]), ("multi-namespace", watched_namespaces(MULTI))):
         operator = deployment(renders[case], "operator")
-        assert operator["spec"]["replicas"] == 1
-        assert operator["spec"]["strategy"] == {"type": "Recreate"}
+        assert operator["spec"]["replicas"] == 2
+        assert operator["spec"]["strategy"] == {
+            "type": "RollingUpdate",
+            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+        }
         each = container(renders[case], "operator")
         assert each["command"] == ["rolegate"]
         namespaces = [arg for ns in watched for arg in ("--namespace", ns)]
@@ -482,9 +492,135 @@ def test_operator_deployment(renders: dict[str, Docs]) -> None:
             "--log-level", "info", "operator", *namespaces,
             "--configmap", f"{name}-config", "--configmap-namespace", NS,
             "--liveness-port", "8081", "--report-ttl-seconds", "90",
+            "--leader-election", "--lease-name", f"{name}-operator",
+            "--lease-seconds", "15", "--lease-renew-deadline-seconds", "10",
+            "--lease-retry-seconds", "2", "--metrics-port", "8082",
         ]  # fmt: skip
+        assert each["env"] == [
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
+        ]
         assert each["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
-        assert {"name": "healthz", "containerPort": 8081, "protocol": "TCP"} in each["ports"]
+        assert each["ports"] == [
+            {"name": "healthz", "containerPort": 8081, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": 8082, "protocol": "TCP"},
+        ]
+        assert operator["spec"]["template"]["metadata"]["annotations"] == {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": "8082",
+            "prometheus.io/path": "/metrics",
+        }
+        # Preferably one replica per node: a node's loss leaves a standby.
+        anti = pod_spec(renders[case], "operator")["affinity"]["podAntiAffinity"]
+        assert anti == {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "podAffinityTerm": {
+                        "topologyKey": "kubernetes.io/hostname",
+                        "labelSelector": {
+                            "matchLabels": operator["spec"]["selector"]["matchLabels"]
+                        },
+                    },
+                }
+            ]
+        }
+    # The HA set: three replicas and its own Lease timings (a fraction passes as written).
+    args = container(renders["ha"], "operator")["args"]
+    assert deployment(renders["ha"], "operator")["spec"]["replicas"] == 3
+    timings = ("--lease-seconds", "--lease-renew-deadline-seconds", "--lease-retry-seconds")
+    assert [args[args.index(flag) + 1] for flag in timings] == ["8", "6", "1.5"]
+    # Switched off, the spreading and the annotations are gone.
+    plain = render(
+        RELEASE, NS,
+        sets=["operator.spreadAcrossNodes=false", "operator.metrics.podAnnotations=false"],
+    )  # fmt: skip
+    assert "affinity" not in pod_spec(plain, "operator")
+    assert "annotations" not in deployment(plain, "operator")["spec"]["template"]["metadata"]
+
+
+def test_operator_companions(renders: dict[str, Docs]) -> None:
+    """The operator's metrics Service always; its ServiceMonitor only when enabled, aimed
+    at that Service's `metrics` port; its PodDisruptionBudget only with more than one
+    replica."""
+    name = f"{fullname(RELEASE)}-operator"
+    selector = deployment(renders["default"], "operator")["spec"]["selector"]["matchLabels"]
+    for case in ("default", "ha"):
+        service = find(renders[case], "Service", name, NS)
+        assert service["spec"]["type"] == "ClusterIP"
+        assert service["spec"]["selector"] == selector
+        assert service["spec"]["ports"] == [
+            {"name": "metrics", "port": 8082, "targetPort": "metrics", "protocol": "TCP"}
+        ]
+    # The ServiceMonitor: not by default, as configured when enabled.
+    monitors = [d["metadata"]["name"] for d in renders["default"] if d["kind"] == "ServiceMonitor"]
+    assert monitors == []
+    monitor = find(renders["ha"], "ServiceMonitor", name, NS)
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NS]}
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+    ]
+    # It selects the operator's Service and no other.
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    services = [
+        d["metadata"]["name"]
+        for d in renders["ha"]
+        if d["kind"] == "Service" and wanted.items() <= d["metadata"]["labels"].items()
+    ]
+    assert services == [name]
+    # Enabled alone, without the proxy's.
+    alone = render(RELEASE, NS, sets=["operator.metrics.serviceMonitor.enabled=true"])
+    assert [d["metadata"]["name"] for d in alone if d["kind"] == "ServiceMonitor"] == [name]
+    # The PDB: with two replicas (the default) and three, never with one.
+    assert find(renders["default"], "PodDisruptionBudget", name, NS)["spec"] == {
+        "minAvailable": 1,
+        "selector": {"matchLabels": selector},
+    }
+    assert find(renders["ha"], "PodDisruptionBudget", name, NS)["spec"]["minAvailable"] == 1
+    single = render(RELEASE, NS, sets=["operator.replicas=1"])
+    assert deployment(single, "operator")["spec"]["replicas"] == 1
+    budgets = [d["metadata"]["name"] for d in single if d["kind"] == "PodDisruptionBudget"]
+    assert budgets == [f"{fullname(RELEASE)}-proxy"]
+    off = render(RELEASE, NS, sets=["operator.podDisruptionBudget.enabled=false"])
+    budgets = [d["metadata"]["name"] for d in off if d["kind"] == "PodDisruptionBudget"]
+    assert budgets == [f"{fullname(RELEASE)}-proxy"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "expected"),
+    [
+        # The order the operator requires: 0 < retry < renew deadline < lease.
+        (["operator.leaderElection.retrySeconds=10"], "(got 10, 10, 15)"),
+        (["operator.leaderElection.leaseSeconds=9.5"], "(got 2, 10, 9.5)"),
+        (["operator.leaderElection.retrySeconds=0.0"], "(got 0, 10, 15)"),
+        # The schema: above zero, a number.
+        (["operator.leaderElection.leaseSeconds=0"], "/operator/leaderElection/leaseSeconds"),
+        (["operator.leaderElection.retrySeconds=-1"], "/operator/leaderElection/retrySeconds"),
+        (["operator.leaderElection.leaseSeconds=soon"], "/operator/leaderElection/leaseSeconds"),
+        (["operator.replicas=two"], "/operator/replicas"),
+    ],
+)
+def test_lease_timings_are_validated(sets: list[str], expected: str) -> None:
+    result = template_failing(*(arg for each in sets for arg in ("--set", each)))
+    assert result.returncode != 0
+    assert expected in result.stderr, result.stderr
+
+
+def test_lease_timings_in_order_render() -> None:
+    """The negative control of the test above: fractions in the right order pass, as
+    `--set` strings too."""
+    docs = render(
+        RELEASE, NS,
+        sets=[
+            "operator.leaderElection.leaseSeconds=4.5",
+            "operator.leaderElection.renewDeadlineSeconds=3",
+            "operator.leaderElection.retrySeconds=0.5",
+        ],
+    )  # fmt: skip
+    args = container(docs, "operator")["args"]
+    timings = ("--lease-seconds", "--lease-renew-deadline-seconds", "--lease-retry-seconds")
+    assert [args[args.index(flag) + 1] for flag in timings] == ["4.5", "3", "0.5"]
 
 
 def test_proxy_deployment(renders: dict[str, Docs]) -> None:
@@ -550,7 +686,7 @@ def test_proxy_companions(renders: dict[str, Docs]) -> None:
     assert find(renders["default"], "PodDisruptionBudget", name, NS)["spec"]["minAvailable"] == 1
     assert find(renders["ha"], "PodDisruptionBudget", name, NS)["spec"]["minAvailable"] == 2
     single = render(RELEASE, NS, sets=["proxy.replicas=1"])
-    assert "PodDisruptionBudget" not in {d["kind"] for d in single}
+    assert name not in {d["metadata"]["name"] for d in single if d["kind"] == "PodDisruptionBudget"}
     no_annotations = render(RELEASE, NS, sets=["proxy.metrics.podAnnotations=false"])
     assert "annotations" not in deployment(no_annotations, "proxy")["spec"]["template"]["metadata"]
 
@@ -566,6 +702,7 @@ def test_autoscaling_without_a_cpu_request_is_refused() -> None:
 def test_rbac_rules_are_exactly_the_documented_ones(renders: dict[str, Docs]) -> None:
     """Any rule added to a Role fails here: each component's rules, per namespace, as data."""
     configmap = f"{fullname(RELEASE)}-config"
+    lease = f"{fullname(RELEASE)}-operator"
     proxy_configmap = {
         "apiGroups": [""], "resources": ["configmaps"], "resourceNames": [configmap],
         "verbs": ["get", "list", "watch"],
@@ -574,11 +711,22 @@ def test_rbac_rules_are_exactly_the_documented_ones(renders: dict[str, Docs]) ->
         "apiGroups": ["rolegate.dev"], "resources": ["providerpolicies/status"],
         "verbs": ["patch"],
     }  # fmt: skip
-    documented = documented_operator_rules(configmap)
-    configmap_rules = [r for r in documented if r["resources"] == ["configmaps"]]
-    watched_rules = [r for r in documented if r["resources"] != ["configmaps"]]
-    assert len(configmap_rules) == 2
+    documented = documented_operator_rules(configmap, lease)
+    # The ConfigMap's and the Lease's rules belong where they live: the release namespace.
+    home_only = (["configmaps"], ["leases"])
+    home_rules = [r for r in documented if r["resources"] in home_only]
+    watched_rules = [r for r in documented if r["resources"] not in home_only]
+    assert len(home_rules) == 4
     assert len(watched_rules) == 3
+    # The Lease: create any (`create` cannot be limited by name), read and write only the
+    # release's own; Events created and patched (a repeated Event counts up).
+    assert {
+        "apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+        "resourceNames": [lease], "verbs": ["get", "update"],
+    } in home_rules  # fmt: skip
+    assert {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]} in (
+        watched_rules
+    )
 
     # Default: the release namespace is watched and holds the ConfigMap.
     for case in ("default", "ha"):
@@ -592,7 +740,7 @@ def test_rbac_rules_are_exactly_the_documented_ones(renders: dict[str, Docs]) ->
         **{team: rules(proxy_status) for team in teams},
     }
     assert rbac_rules(renders["multi-namespace"], "operator") == {
-        NS: rules(*configmap_rules),
+        NS: rules(*home_rules),
         **{team: rules(*watched_rules) for team in teams},
     }
 

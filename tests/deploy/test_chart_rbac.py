@@ -73,6 +73,11 @@ class Release:
     def configmap(self) -> str:
         return f"{self.fullname}-config"
 
+    @property
+    def lease(self) -> str:
+        """The operator replicas' Lease (`--lease-name`), named like its account."""
+        return f"{self.fullname}-operator"
+
     def subject(self, account: str) -> str:
         return f"system:serviceaccount:{self.namespace}:{account}"
 
@@ -453,8 +458,10 @@ def start_components(
     operator_pod = chart_pod(release, "operator")
     args, env = chart_command(
         operator_pod, directory / "operator-root", operator_kubeconfig,
-        {"--liveness-port": str(free_port())},
+        {"--liveness-port": str(free_port()), "--metrics-port": str(free_port())},
     )  # fmt: skip
+    assert flag_values(args, "--lease-name") == [release.lease]
+    assert env["POD_NAME"] == operator_pod.name
     assert flag_values(args, "--namespace") == list(release.watched)
     assert flag_values(args, "--configmap") == [release.configmap]
     assert flag_values(args, "--configmap-namespace") == [home]
@@ -629,12 +636,15 @@ def operator_answers(
 ) -> tuple[list[tuple[str, list[str]]], list[tuple[str, list[str]]]]:
     home = release.namespace
     configmap = f"configmaps/{release.configmap}"
+    leases = "leases.coordination.k8s.io"
+    lease = f"{leases}/{release.lease}"
     kinds = ("roletables.rolegate.dev", "providerpolicies.rolegate.dev")
     yes: list[tuple[str, list[str]]] = []
     no: list[tuple[str, list[str]]] = []
     for ns in release.watched:
         yes += [(ns, [verb, kind]) for kind in kinds for verb in ("list", "watch")]
         yes += [(ns, ["patch", kind, "--subresource=status"]) for kind in kinds]
+        # A repeated Event is patched to count up.
         yes += [(ns, ["create", "events"]), (ns, ["patch", "events"])]
         # list and watch only: not even `get` (kopf and the start-up check list).
         no += [(ns, [verb, kind]) for kind in kinds for verb in (
@@ -657,9 +667,21 @@ def operator_answers(
         (home, ["update", configmap]),
     ]
     no += [(home, [verb, configmap]) for verb in ("delete", "patch")]
-    # The ConfigMap rules hold only where the ConfigMap lives.
+    # Leader election: create a Lease (not limitable by name), then read and write its
+    # own Lease only. Never delete, list, watch or patch one, nor touch another's.
+    yes += [(home, ["create", leases]), (home, ["get", lease]), (home, ["update", lease])]
+    no += [(home, [verb, lease]) for verb in ("delete", "patch", "watch")]
+    no += [(home, [verb, leases]) for verb in ("list", "watch", "deletecollection")]
+    no += [
+        (home, [verb, f"{leases}/{other}"])
+        for other in ("kube-controller-manager", "rolegate-operator", f"{release.fullname}-proxy")
+        for verb in ("get", "update")
+    ]
+    # The ConfigMap and Lease rules hold only where the ConfigMap and the Lease live.
     no += [(ns, ["create", "configmaps"]) for ns in release.watched[1:]]
     no += [(ns, ["get", configmap]) for ns in release.watched[1:]]
+    no += [(ns, ["create", leases]) for ns in release.watched[1:]]
+    no += [(ns, [verb, lease]) for ns in release.watched[1:] for verb in ("get", "update")]
     no += [
         (elsewhere, ["list", "roletables.rolegate.dev"]),
         (elsewhere, ["patch", "providerpolicies.rolegate.dev", "--subresource=status"]),
@@ -667,6 +689,9 @@ def operator_answers(
         (elsewhere, ["patch", "events"]),
         (elsewhere, ["create", "configmaps"]),
         (elsewhere, ["get", configmap]),
+        (elsewhere, ["create", leases]),
+        (elsewhere, ["get", lease]),
+        (elsewhere, ["update", lease]),
     ]
     no += [(home, question) for question in CLUSTER_WIDE]
     no += [(home, ["list", "roletables.rolegate.dev", "--all-namespaces"])]
@@ -681,16 +706,75 @@ def test_the_operator_account_can_exactly_what_it_needs(release: Release, elsewh
 def test_the_operator_account_holds_exactly_the_documented_role(
     release: Release, elsewhere: str
 ) -> None:
-    """docs/operator.md's Role (its ConfigMap renamed to the release's) in the release
-    namespace; its rolegate.dev and events rules in the other watched namespace."""
-    documented = expand(documented_operator_rules(), {"rolegate-config": release.configmap})
+    """docs/operator.md's Role (its ConfigMap and Lease renamed to the release's) in the
+    release namespace; its rolegate.dev and events rules in the other watched namespace."""
+    rename = {"rolegate-config": release.configmap, "rolegate-operator": release.lease}
+    documented = expand(documented_operator_rules(), rename)
     assert documented, "the documented Role has no rules"
-    watching = {g for g in documented if g[0] != "configmaps"}
+    assert ("leases.coordination.k8s.io", release.lease, "update") in documented
+    watching = {g for g in documented if g[0] not in ("configmaps", "leases.coordination.k8s.io")}
     expected = {release.namespace: documented}
     expected |= {ns: watching for ns in release.watched[1:]}
     expected[elsewhere] = set()
     for namespace, wanted in expected.items():
         assert grants(release, release.operator_account, namespace) == wanted, namespace
+
+
+def test_the_operator_token_holds_its_own_lease_and_no_other(
+    crds: ControlPlane, tmp_path: Path
+) -> None:
+    """What `can-i` says about Leases, done for real with a TokenRequest token of the
+    operator's account, on a release of its own (no operator runs there, so the Lease is
+    the test's to write): it creates, reads and renews its Lease; it cannot delete or list
+    Leases, nor read or write another Lease, nor create one outside its namespace."""
+    home = fresh_namespace(crds, "lease")
+    second = fresh_namespace(crds, "lease-second")
+    release = install_release(crds, "lease", home, {"watchNamespaces": [home, second]}, tmp_path)
+    token = release.token_kubeconfig(release.operator_account, tmp_path / "operator.kubeconfig")
+
+    def lease(name: str, holder: str, namespace: str = home) -> Path:
+        path = tmp_path / f"{namespace}-{name}-{holder}.json"
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "coordination.k8s.io/v1",
+                    "kind": "Lease",
+                    "metadata": {"name": name, "namespace": namespace},
+                    "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15},
+                }
+            )
+        )
+        return path
+
+    def allowed(*args: str, namespace: str = home) -> str:
+        result = release.as_token(token, *args, namespace=namespace)
+        assert result.returncode == 0, f"{args}: {result.stderr}"
+        return result.stdout
+
+    def refused(*args: str, namespace: str = home) -> None:
+        result = release.as_token(token, *args, namespace=namespace)
+        assert result.returncode != 0, f"{args} was allowed: {result.stdout}"
+        assert "Forbidden" in result.stderr, result.stderr
+        assert release.subject(release.operator_account) in result.stderr
+
+    own = release.lease
+    allowed("create", "-f", str(lease(own, "pod-a_1")))
+    held = json.loads(allowed("get", "lease", own, "-o", "json"))
+    assert held["spec"]["holderIdentity"] == "pod-a_1"
+    allowed("replace", "-f", str(lease(own, "pod-b_2")))  # an update: a takeover
+    assert release.json("get", "lease", own)["spec"]["holderIdentity"] == "pod-b_2"
+    refused("delete", "lease", own)
+    refused("patch", "lease", own, "--type=merge", "-p", '{"spec":{"holderIdentity":"x"}}')
+    refused("get", "leases")  # a list
+    # Another Lease: `create` cannot be limited by name, but past that it is not its own.
+    other = "kube-scheduler"
+    crds.kubectl("-n", home, "create", "-f", str(lease(other, "someone")))
+    refused("get", "lease", other)
+    refused("replace", "-f", str(lease(other, "pod-a_1")))
+    assert release.json("get", "lease", other)["spec"]["holderIdentity"] == "someone"
+    # The Lease rules hold only in the release namespace.
+    refused("create", "-f", str(lease(own, "pod-a_1", second)), namespace=second)
+    assert release.json("get", "lease", own)["spec"]["holderIdentity"] == "pod-b_2"
 
 
 # --- 3. the processes do their job as the chart's accounts ----------------------------------
