@@ -61,10 +61,19 @@ def _parser() -> argparse.ArgumentParser:
         help="where Secret keys are mounted as <dir>/<secret name>/<key>",
     )
     proxy.add_argument(
+        "--key-refresh-seconds",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="re-read the API keys (environment and Secret files) this often; a key found "
+        "or lost shows on the ProviderPolicy's status at once (default: 30)",
+    )
+    proxy.add_argument(
         "--status-heartbeat-seconds",
         type=float,
         default=30.0,
-        help="with --configmap: re-send this pod's breaker report at least this often",
+        help="with --configmap: re-send this pod's report on each ProviderPolicy at least "
+        "this often; a change is sent at once",
     )
     proxy.add_argument(
         "--admin-token-file",
@@ -367,6 +376,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         port=args.port,
         max_body_bytes=args.max_body_bytes,
         secrets_dir=args.secrets_dir,
+        key_refresh_seconds=args.key_refresh_seconds,
         status_heartbeat_seconds=args.status_heartbeat_seconds,
         outcome_export=args.outcome_export,
         outcome_buffer=args.outcome_buffer,

@@ -2,7 +2,8 @@
 and reader of it.
 
 The operator writes the `Accepted` and `Tripped` conditions and the RoleTable's rulings;
-each proxy pod writes its own `PodReport` on a ProviderPolicy; the operator reads the
+each proxy pod writes its own `PodReport` on a ProviderPolicy (the configuration hash it
+serves, whether it could read the API key, its open breakers); the operator reads the
 reports back to compute `Tripped`; `crds.py` renders these same models into the CRDs'
 status schemas. All of them import the models and enums from here, so a field, a scope,
 a state or a reason is spelled once.
@@ -276,8 +277,23 @@ class QuirkReport(StatusModel):
     last_seen: datetime = Field(description="When the pod last saw it.")
 
 
+# Whether a proxy pod could read a provider's API key (never the key itself).
+class KeyResolution(StrEnum):
+    # The key was found, in the environment or in the mounted Secret file, and not empty.
+    RESOLVED = "Resolved"
+    # Neither the environment variable nor the Secret file holds it (absent or empty).
+    NOT_FOUND = "NotFound"
+    # The ProviderPolicy names no `apiKeySecretRef`: requests go without a key.
+    NOT_REQUIRED = "NotRequired"
+
+
+# `sha256:` and 64 hex digits: the configuration hash (ProxyConfig.hash).
+CONFIG_HASH_PATTERN: Final = r"^sha256:[0-9a-f]{64}$"
+
+
 class PodReport(StatusModel):
-    """The breakers one proxy pod holds open for this provider. Each pod writes only its
+    """What one proxy pod reports on this provider: the configuration it serves, whether
+    it could read the API key, and the breakers it holds open. Each pod writes only its
     own entry, so replicas never overwrite each other."""
 
     pod: str = Field(
@@ -290,6 +306,28 @@ class PodReport(StatusModel):
         description=(
             "When the pod last wrote the report; the operator drops reports of pods not "
             "heard from in time."
+        ),
+    )
+    served_hash: str | None = Field(
+        default=None,
+        max_length=71,
+        pattern=CONFIG_HASH_PATTERN,
+        description=(
+            "Hash of the proxy configuration the pod was serving when it wrote the report "
+            "(`sha256:` and 64 hex digits), as its `/readyz` shows it: equal to the "
+            "ConfigMap's `rolegate.dev/config-hash` annotation once the pod has loaded the "
+            "operator's latest configuration. Sent as soon as the pod loads a new one."
+        ),
+    )
+    api_key: KeyResolution | None = Field(
+        default=None,
+        description=(
+            "Whether the pod could read this provider's API key (never the key): "
+            "`Resolved`; `NotFound`, when neither the environment variable nor the mounted "
+            "file of the Secret named by `spec.apiKeySecretRef` holds it, or it is empty "
+            "(requests to the provider then fail); or `NotRequired`, when the "
+            "ProviderPolicy names no `apiKeySecretRef`. Sent as soon as it changes (a "
+            "Secret created later is seen at the pod's next key refresh)."
         ),
     )
     breakers: list[BreakerReport] = Field(
@@ -345,7 +383,8 @@ class ProviderPolicyStatus(StatusModel):
             "x-kubernetes-list-map-keys": ["pod"],
         },
         description=(
-            "Breaker state reported by each proxy pod, one entry per pod, keyed by `pod`. "
-            "Reports of pods that are gone expire."
+            "What each proxy pod reports (the configuration it serves, whether it could "
+            "read the API key, its open breakers), one entry per pod, keyed by `pod`. A pod "
+            "that shuts down removes its own entry; reports of pods that vanish expire."
         ),
     )

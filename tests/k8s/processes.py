@@ -6,19 +6,36 @@ import asyncio
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 
 
-async def start_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return await asyncio.to_thread(
-        subprocess.Popen,
-        [sys.executable, "-m", "rolegate_cli.main", "--log-level", "info", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **(env or {})},
-    )
+async def start_cli(
+    *args: str, env: dict[str, str] | None = None, log: Path | None = None
+) -> subprocess.Popen[str]:
+    """The command as a process; its stderr to `log` when given (a test reads it while the
+    process runs), else to a pipe `stop` reads."""
+    command = [sys.executable, "-m", "rolegate_cli.main", "--log-level", "info", *args]
+    environment = {**os.environ, **(env or {})}
+    if log is None:
+        return await asyncio.to_thread(
+            subprocess.Popen,
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environment,
+        )
+    with log.open("w", encoding="utf-8") as stderr:
+        return await asyncio.to_thread(
+            subprocess.Popen,
+            command,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            text=True,
+            env=environment,
+        )
 
 
 async def stop(process: subprocess.Popen[str]) -> str:

@@ -182,8 +182,9 @@ async def test_a_fault_shows_as_tripped_on_the_resource_and_recovers(stack: Stac
 
     await eventually(recovery_posted, what="the Recovered event", within=20)
 
-    # A pod that stops: its report expires (TTL 6 s); the other's stays.
-    await stop(stack.processes["proxy-b"])
+    # A pod that dies without a word (SIGKILL: a pod that shuts down withdraws its own
+    # report, tests/k8s/test_pod_report.py): its report expires (TTL 6 s); the other's stays.
+    stack.processes["proxy-b"].kill()
 
     async def expired() -> bool:
         return _pods(await stack.pp()) == {"proxy-a"}

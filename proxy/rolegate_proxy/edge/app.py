@@ -23,7 +23,7 @@ from .credentials import KeyStore
 from .error_shape import MAX_BODY_BYTES
 from .settings import ProxySettings
 from .state import STATE, ProxyState
-from .status_reporter import BreakerReporter
+from .status_reporter import WITHDRAW_SECONDS, BreakerReporter
 
 log = logging.getLogger("rolegate.proxy")
 
@@ -51,8 +51,8 @@ def create_app(
     app.on_shutdown.append(_shutting_down)
     if source is not None:
         app.cleanup_ctx.append(_config_watch)
-        # In a cluster (the configuration comes from the API server), breaker state goes
-        # back onto the ProviderPolicies' status.
+        # In a cluster (the configuration comes from the API server), each pod reports on
+        # the ProviderPolicies' status: the hash it serves, its keys, its breakers.
         app.cleanup_ctx.append(_status_reports)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
@@ -94,9 +94,8 @@ async def _key_refresher(app: web.Application) -> AsyncIterator[None]:
     async def refresh_forever() -> None:
         while True:
             await asyncio.sleep(state.settings.key_refresh_seconds)
-            config = state.config
             # File reads happen in a worker thread, never on the request path.
-            await asyncio.to_thread(state.keys.refresh, config)
+            await state.refresh_keys()
 
     task = asyncio.create_task(refresh_forever(), name="rolegate-key-refresh")
     yield
@@ -173,14 +172,24 @@ async def _status_reports(app: web.Application) -> AsyncIterator[None]:
         kubeconfig=state.source.kubeconfig,
         heartbeat_seconds=state.settings.status_heartbeat_seconds,
         quirks=dispatcher.recorder.quirks_of,
+        key_resolution=state.keys.resolution,
     )
     dispatcher.listeners.append(reporter.mark_dirty)
+    state.report_listeners.append(reporter.mark_dirty)
     async with aiohttp.ClientSession() as session:
         task = asyncio.create_task(reporter.run(session), name="rolegate-status-reports")
         yield
+        # Shutdown (after the grace period for open streams): the write in flight
+        # finishes, not cut off, so it cannot land after the withdrawal; then the pod
+        # withdraws its reports. At most WITHDRAW_SECONDS in all.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WITHDRAW_SECONDS
+        reporter.stop()
+        await asyncio.wait({task}, timeout=WITHDRAW_SECONDS / 2)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        await reporter.withdraw(session, within=deadline - loop.time())
 
 
 async def _config_watch(app: web.Application) -> AsyncIterator[None]:

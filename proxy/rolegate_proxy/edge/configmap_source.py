@@ -26,7 +26,7 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 
-from .kube_api import KubeAccess, load_access
+from .kube_api import KubeAccess, KubeApiError, describe_error, load_access
 
 log = logging.getLogger("rolegate.proxy.config")
 
@@ -107,7 +107,7 @@ class ConfigMapSource:
                 log.warning(
                     "kubernetes api unavailable source=%s error=%s retry_in=%.2fs",
                     self.describe,
-                    _describe(error),
+                    describe_error(error),
                     delay,
                 )
                 await asyncio.sleep(delay)
@@ -124,7 +124,7 @@ class ConfigMapSource:
             timeout=aiohttp.ClientTimeout(total=15),
         ) as response:
             if response.status != 200:
-                raise _ApiError(response.status, await response.text())
+                raise KubeApiError.from_body(response.status, await response.text())
             body = await response.json()
         self._resource_version = body["metadata"]["resourceVersion"]
         for item in body.get("items") or ():
@@ -149,7 +149,7 @@ class ConfigMapSource:
             if response.status == 410:
                 raise _Gone()
             if response.status != 200:
-                raise _ApiError(response.status, await response.text())
+                raise KubeApiError.from_body(response.status, await response.text())
             async for line in response.content:
                 if line.strip():
                     await self._event(json.loads(line))
@@ -160,7 +160,9 @@ class ConfigMapSource:
         if kind == "ERROR":
             if obj.get("code") == 410:
                 raise _Gone()
-            raise _ApiError(int(obj.get("code") or 500), str(obj.get("message")))
+            raise KubeApiError(
+                int(obj.get("code") or 500), str(obj.get("reason") or ""), str(obj.get("message"))
+            )
         version = (obj.get("metadata") or {}).get("resourceVersion")
         if version:
             self._resource_version = version
@@ -187,13 +189,3 @@ class ConfigMapSource:
 
 class _Gone(Exception):
     """The watched resource version is too old: list again."""
-
-
-class _ApiError(Exception):
-    def __init__(self, status: int, text: str) -> None:
-        super().__init__(f"HTTP {status}: {text[:300]}")
-
-
-def _describe(error: BaseException) -> str:
-    text = str(error) or type(error).__name__
-    return text.replace("\n", " ")[:300]

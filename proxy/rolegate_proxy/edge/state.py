@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -54,6 +55,9 @@ class ProxyState:
     exporter: OutcomeExporter | None = field(init=False, default=None)
     # The outcome channel's consumers, in order: the score first (the closed loop).
     consumers: list[Consumer] = field(init=False)
+    # Told (on the loop, no I/O) when what the pod reports on the ProviderPolicies changes
+    # other than by a breaker: a configuration swapped in, a key found or lost.
+    report_listeners: list[Callable[[], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         settings = self.settings
@@ -124,6 +128,15 @@ class ProxyState:
         found = self.config.provider(provider)
         return found.degraded_output if found is not None else DegradedOutputSpec()
 
+    def report_changed(self) -> None:
+        for listener in self.report_listeners:
+            listener()
+
+    async def refresh_keys(self) -> None:
+        """Re-read the API keys of the configuration served (in a worker thread)."""
+        if await asyncio.to_thread(self.keys.refresh, self.config):
+            self.report_changed()
+
     async def swap_config(self, config: ProxyConfig) -> None:
         """Serve `config` from the next request on; requests in flight keep theirs."""
         if config.hash == self.config.hash:
@@ -144,6 +157,7 @@ class ProxyState:
             len(config.roles),
             len(config.providers),
         )
+        self.report_changed()
 
 
 STATE = web.AppKey("rolegate_state", ProxyState)
