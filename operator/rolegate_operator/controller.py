@@ -122,6 +122,8 @@ class Controller:
         self._written_hash: str | None = None
         self.passes = 0
         self.last_result: ReconcileResult | None = None
+        # Called after every pass this replica wrote (what the proxies should serve moved).
+        self.after_pass: list[Callable[[], None]] = []
 
     # Fed by the kopf handlers ------------------------------------------------------
 
@@ -226,6 +228,8 @@ class Controller:
         )
         self._metrics.passes.labels("failed" if failures else "ok").inc()
         self._metrics.status_writes.labels("accepted").inc(written)
+        for notify in self.after_pass:
+            notify()
         if failures:
             raise PassFailed(f"{failures} status write(s) failed")
         return result

@@ -33,8 +33,8 @@ from rolegate_operator.kube import Kube, connection_info, describe_error
 from rolegate_operator.leader import ElectionOptions, Elector, Leadership, always_leading
 from rolegate_operator.metrics import OperatorMetrics
 from rolegate_operator.recorder import EventRecorder
+from rolegate_operator.reports_loop import ReportsLoop
 from rolegate_operator.store import GROUP, KINDS, VERSION, Store
-from rolegate_operator.tripped_loop import TrippedLoop
 
 REGISTRY = kopf.OperatorRegistry()
 RUNTIME_KEY = "rolegate"
@@ -65,7 +65,7 @@ class Runtime:
     configuration: client.Configuration
     kube: Kube
     controller: Controller
-    tripped: TrippedLoop
+    reports: ReportsLoop
     leadership: Leadership
     # Set to stop kopf (on SIGTERM, or when a loop of ours died). An asyncio flag: kopf
     # waits for a threading.Event in an executor thread that then blocks the
@@ -74,7 +74,7 @@ class Runtime:
     # Set on SIGINT/SIGTERM: the stop is asked for, not kopf stopping on its own.
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
-    tripped_task: asyncio.Task[None] | None = None
+    reports_task: asyncio.Task[None] | None = None
     crash: BaseException | None = None
 
 
@@ -138,7 +138,7 @@ async def startup(memo: kopf.Memo, **_: Any) -> None:
     runtime = runtime_of(memo)
     runtime.task = asyncio.create_task(runtime.controller.run(), name="rolegate compile loop")
     runtime.task.add_done_callback(lambda task: _loop_ended(runtime, task))
-    runtime.tripped_task = asyncio.create_task(runtime.tripped.run(), name="rolegate tripped")
+    runtime.reports_task = asyncio.create_task(runtime.reports.run(), name="rolegate reports")
     options = runtime.options
     log.info(
         "operator started namespaces=%s configmap=%s/%s",
@@ -151,7 +151,7 @@ async def startup(memo: kopf.Memo, **_: Any) -> None:
 @kopf.on.cleanup(id="rolegate-cleanup", registry=REGISTRY)
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     runtime = runtime_of(memo)
-    for task in (runtime.task, runtime.tripped_task):
+    for task in (runtime.task, runtime.reports_task):
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -180,7 +180,7 @@ async def on_role_table(type: str | None, body: kopf.Body, memo: kopf.Memo, **_:
 async def on_provider_policy(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     runtime = runtime_of(memo)
     runtime.controller.observe(type, body)
-    runtime.tripped.observe()  # the proxies' reports change only the status
+    runtime.reports.observe()  # the proxies' reports change only the status
 
 
 def _loop_ended(runtime: Runtime, task: asyncio.Task[None]) -> None:
@@ -250,7 +250,7 @@ def run_operator(
     controller = Controller(
         options, store, kube, events=events, leadership=leadership, metrics=metrics
     )
-    tripped = TrippedLoop(
+    reports = ReportsLoop(
         store,
         kube,
         events=events,
@@ -258,8 +258,11 @@ def run_operator(
         ttl_seconds=options.report_ttl_seconds,
         leadership=leadership,
         metrics=metrics,
+        compiled=lambda: controller.last_result,
     )
-    leadership.on_gain += [controller.resync, tripped.resync]
+    # Programmed follows the compiled hash as well as the pods' reports.
+    controller.after_pass.append(reports.observe)
+    leadership.on_gain += [controller.resync, reports.resync]
     leadership.on_change.append(metrics.set_leader)
     metrics.set_leader(leadership.leading)
     metrics.watch(options.namespaces)
@@ -268,7 +271,7 @@ def run_operator(
         configuration=configuration,
         kube=kube,
         controller=controller,
-        tripped=tripped,
+        reports=reports,
         leadership=leadership,
     )
     elector = Elector(election, kube, leadership) if election is not None else None
@@ -383,7 +386,7 @@ async def _supervise(
     runtime.stop_flag.set()
     with contextlib.suppress(Exception):
         await asyncio.wait_for(asyncio.shield(kopf_task), max(0.0, deadline - loop.time()))
-    for task in (kopf_task, stop_asked, crashed, runtime.task, runtime.tripped_task):
+    for task in (kopf_task, stop_asked, crashed, runtime.task, runtime.reports_task):
         if task is not None and not task.done():
             task.cancel()
     if metrics_runner is not None:

@@ -80,6 +80,8 @@ class TrippedView:
     entries: tuple[TrippedEntry, ...]
     live_pods: tuple[str, ...]
     expired_pods: tuple[str, ...]
+    # The live reports themselves (what else they say: served hash, key resolution).
+    live_reports: tuple[PodReport, ...] = ()
 
     def keys(self) -> dict[TrippedKey, TrippedEntry]:
         return {entry.key: entry for entry in self.entries}
@@ -140,6 +142,7 @@ def aggregate(
         entries=entries,
         live_pods=live_pods,
         expired_pods=tuple(sorted(expired)),
+        live_reports=tuple(live),
     )
 
 

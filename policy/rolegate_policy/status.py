@@ -27,6 +27,8 @@ from rolegate_policy.model import DNS_SUBDOMAIN_PATTERN, ROLE_NAME_PATTERN, Mode
 # The condition types.
 ACCEPTED: Final = "Accepted"
 TRIPPED: Final = "Tripped"
+PROGRAMMED: Final = "Programmed"
+RESOLVED_REFS: Final = "ResolvedRefs"
 
 # From metav1.Condition (k8s.io/apimachinery/pkg/apis/meta/v1/types.go).
 CONDITION_TYPE_PATTERN: Final = (

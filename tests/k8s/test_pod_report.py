@@ -261,3 +261,84 @@ async def test_warnings_during_an_api_server_outage_name_the_address_not_objects
         return (await stack.reports(KEYED)).get("proxy-a", {}).get("apiKey") == "Resolved"
 
     await eventually(resolved, what="the report after the outage", within=20)
+
+
+async def _condition(stack: Stack, kind: str, name: str, type_: str) -> dict[str, Any]:
+    text = await asyncio.to_thread(stack.kubectl, "get", kind, name, "-o", "json")
+    for condition in (json.loads(text).get("status") or {}).get("conditions") or ():
+        if condition["type"] == type_:
+            return dict(condition)
+    return {}
+
+
+async def test_a_missing_secret_is_a_condition_naming_it_and_its_fix_clears_it(
+    stack: Stack,
+) -> None:
+    """What the pods report of the key becomes `ResolvedRefs` on the ProviderPolicy: False
+    with `SecretNotFound` naming the Secret and key while no pod can read it."""
+
+    async def refs(policy: str, status: str) -> dict[str, Any] | None:
+        condition = await _condition(stack, "pp", policy, "ResolvedRefs")
+        return condition if condition.get("status") == status else None
+
+    missing = await eventually(
+        partial(refs, KEYED, "False"), what="ResolvedRefs=False on the keyed policy", within=30
+    )
+    assert missing["reason"] == "SecretNotFound"
+    assert f"Secret {SECRET}, key {SECRET_KEY}" in missing["message"]
+    assert "2 of 2 proxy pods" in missing["message"]
+    assert (await refs(OPEN, "True") or {}).get("message") == "No Secret is referenced."
+
+    stack.key_file().parent.mkdir(parents=True)
+    stack.key_file().write_text(KEY_VALUE)
+    fixed = await eventually(
+        partial(refs, KEYED, "True"), what="ResolvedRefs=True once the key exists", within=30
+    )
+    assert fixed["reason"] == "Resolved"
+    described = await asyncio.to_thread(stack.kubectl, "get", "pp", KEYED, "-o", "yaml")
+    assert KEY_VALUE not in described
+
+
+async def test_programmed_says_when_every_pod_serves_a_generation(stack: Stack) -> None:
+    """`Accepted` is the operator's verdict; `Programmed` is True only once every live pod
+    reports serving the configuration that holds the resource's current generation."""
+
+    async def programmed(kind: str, name: str, status: str, generation: int) -> bool:
+        condition = await _condition(stack, kind, name, "Programmed")
+        return (
+            condition.get("status") == status and condition.get("observedGeneration") == generation
+        )
+
+    await eventually(
+        partial(programmed, "rt", "roles", "True", 1), what="the table programmed", within=30
+    )
+    await eventually(
+        partial(programmed, "pp", OPEN, "True", 1), what="the policy programmed", within=30
+    )
+
+    # proxy-b freezes: its last report (the old hash) stays live, so a change is served by
+    # proxy-a alone and the condition says it waits for proxy-b.
+    frozen = stack.processes["proxy-b"]
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        await stack.apply_roles("agent", "batch")
+
+        async def waiting_for_b() -> dict[str, Any] | None:
+            condition = await _condition(stack, "rt", "roles", "Programmed")
+            message = condition.get("message", "")
+            # proxy-a reports the new hash a moment after the operator compiled it.
+            return condition if message.startswith("1 of 2 proxy pods") else None
+
+        waiting = await eventually(waiting_for_b, what="served by proxy-a alone", within=30)
+        assert waiting["status"] == "False"
+        assert waiting["reason"] == "RollingOut"
+        assert waiting["observedGeneration"] == 2
+        assert waiting["message"].endswith("waiting for proxy-b.")
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+    took = await seconds_until(
+        partial(programmed, "rt", "roles", "True", 2), what="served everywhere", within=30
+    )
+    served = await _condition(stack, "rt", "roles", "Programmed")
+    assert "All 2 proxy pods serve configuration" in served["message"]
+    print(f"\nProgrammed=True {took:.2f} s after the frozen pod resumed")

@@ -12,8 +12,8 @@ from typing import Any
 from rolegate_operator.conditions import EventNote
 from rolegate_operator.events import MESSAGE_LIMIT, Correlator, Create, EventKey, Hold, Update
 from rolegate_operator.recorder import EventRecorder
+from rolegate_operator.reports_loop import ReportsLoop
 from rolegate_operator.store import ResourceKey, Store
-from rolegate_operator.tripped_loop import TrippedLoop
 
 from .builders import as_stored, key_of, provider
 
@@ -255,7 +255,7 @@ def test_a_flapping_machine_writes_one_event_per_key_per_minute_and_loses_no_cou
     clock = Clock()
     writer = RecordingWriter()
     store = Store()
-    loop = TrippedLoop(
+    loop = ReportsLoop(
         store, StatusWriter(), events=EventRecorder(writer), now=clock, ttl_seconds=90
     )
     policy = as_stored(provider("router"))

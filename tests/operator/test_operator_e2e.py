@@ -86,6 +86,21 @@ def observed(cluster: Cluster, resource: str, name: str, status: str, generation
     return None
 
 
+def find_condition(obj: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    for condition in obj.get("status", {}).get("conditions", []):
+        if condition["type"] == type_:
+            found: dict[str, Any] = condition
+            return found
+    return None
+
+
+def programmed_too(cluster: Cluster, resource: str, name: str) -> Any:
+    """The object once accepted at generation 1 and its `Programmed` condition written (no
+    proxy reports here: Unknown)."""
+    obj = observed(cluster, resource, name, "True", 1)
+    return obj if obj is not None and find_condition(obj, "Programmed") else None
+
+
 def configmap_with(cluster: Cluster, config_hash: str) -> dict[str, Any] | None:
     found = cluster.find("configmap", CONFIGMAP)
     annotations = found["metadata"].get("annotations", {}) if found else {}
@@ -174,8 +189,8 @@ def test_an_invalid_edit_is_reported_and_the_last_good_configuration_stays(
     configmap = wait_for(lambda: configmap_with(cluster, good.hash), "the first ConfigMap")
     untouched = {
         name: wait_for(
-            partial(observed, cluster, resource, name, "True", 1),
-            f"{name} accepted",
+            partial(programmed_too, cluster, resource, name),
+            f"{name} accepted and its Programmed condition written",
             alive=[operator],
         )
         for resource, name in (("pp", "router"), ("rt", "roles-b"))
@@ -292,7 +307,8 @@ def test_proxy_owned_status_survives_the_operators_writes(
 
     after = wait_for(settled, "router generation 2, tripped", alive=[operator])
     status = after["status"]
-    assert [c["type"] for c in status["conditions"]] == ["Accepted", "Tripped"]
+    types = [c["type"] for c in status["conditions"]]
+    assert types == ["Accepted", "Tripped", "ResolvedRefs", "Programmed"]
     assert status["conditions"][1]["reason"] == "EmptyResponses"
     assert "on 1 of 1 pods" in status["conditions"][1]["message"]
     assert [r["pod"] for r in status["reports"]] == ["proxy-0"]

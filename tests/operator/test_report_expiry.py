@@ -1,6 +1,6 @@
 """Expiring proxy reports safely: a report is removed only while it is still the stale one
 that was judged expired, and silence while the operator could not hear counts for nothing.
-Against the real API server, with the operator's own `Kube` and `TrippedLoop`."""
+Against the real API server, with the operator's own `Kube` and `ReportsLoop`."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from kubernetes import client
 from rolegate_operator.kube import Kube, load_configuration
 from rolegate_operator.leader import Leadership
 from rolegate_operator.recorder import EventRecorder
+from rolegate_operator.reports_loop import ReportsLoop
 from rolegate_operator.store import ResourceKey, Store
-from rolegate_operator.tripped_loop import TrippedLoop
 from tests.policy.builders import provider
 
 from .conftest import Cluster
@@ -91,7 +91,7 @@ def test_after_an_outage_every_pod_has_a_full_ttl_to_report_again(cluster: Clust
     kube = Kube(load_configuration(str(cluster.plane.kubeconfig)))
     clock = [datetime.now(UTC)]
     store = Store()
-    loop = TrippedLoop(
+    loop = ReportsLoop(
         store, kube, events=EventRecorder(kube), now=lambda: clock[0], ttl_seconds=90
     )
 
@@ -110,7 +110,7 @@ def test_after_an_outage_every_pod_has_a_full_ttl_to_report_again(cluster: Clust
         clock[0] += timedelta(seconds=300)
         try:
             loop.run_pass()
-        except Exception as error:  # what `TrippedLoop.run` does with a failed pass
+        except Exception as error:  # what `ReportsLoop.run` does with a failed pass
             loop.lost(error)
     finally:
         cluster.plane.start_apiserver()
@@ -138,7 +138,7 @@ def test_a_new_leader_gives_every_pod_a_full_ttl_before_expiring_it(cluster: Clu
     clock = [datetime.now(UTC)]
     store = Store()
     leadership = Leadership(leading=False)
-    loop = TrippedLoop(
+    loop = ReportsLoop(
         store,
         kube,
         events=EventRecorder(kube),
