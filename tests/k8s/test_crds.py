@@ -20,6 +20,7 @@ import yaml
 from rolegate_cli.controlplane import REPO_ROOT, ControlPlane
 from rolegate_policy.compile import compile_manifests
 from rolegate_policy.crds import RESOURCES, clean_description
+from rolegate_policy.endpoint import first_broken
 from rolegate_policy.manifests import manifest_from_object
 from rolegate_policy.model import ProviderPolicySpec, RoleTableSpec, parse_spec
 from rolegate_policy.verdicts import AcceptedReason, ResourceVerdict
@@ -269,11 +270,11 @@ INVALID = [
     Invalid("secret-name-pattern", _provider(apiKeySecretRef={"name": "My_Secret", "key": "k"}),
             "spec.apiKeySecretRef.name", "should match"),
     Invalid("endpoint-port-zero", _provider(endpoint="https://router.example:0/v1"),
-            "spec.endpoint", "`endpoint` must be an http or https URL"),
+            "spec.endpoint", "`endpoint` must have no port or a port from 1 to 65535"),
     Invalid("endpoint-with-credentials", _provider(endpoint="https://u:p@router.example/v1"),
-            "spec.endpoint", "should match"),
+            "spec.endpoint", "`endpoint` must not contain credentials"),
     Invalid("endpoint-with-query", _provider(endpoint="https://router.example/v1?key=k"),
-            "spec.endpoint", "should match"),
+            "spec.endpoint", "`endpoint` must not have a query string"),
     Invalid("missing-endpoint", _edit(_provider(), lambda s: s.pop("endpoint")),
             "spec.endpoint", "Required value"),
 ]  # fmt: skip
@@ -312,25 +313,28 @@ def test_compile_rejects_the_same_manifest_naming_the_same_field(case: Invalid) 
     assert expected in [error.field for error in verdict.errors], verdict.errors
 
 
-# The endpoint: the API server (Go's URL parser, via CEL) and compile (Python's) agree ----
+# The endpoint: the API server (CEL) and compile (Python) agree, rule by rule -------------
 
 ENDPOINTS = {
     "https://openrouter.ai/api/v1": True,
     "http://127.0.0.1:8089/v1": True,
     "http://vllm.ns.svc:8000": True,
     "http://[::1]:8080/v1": True,
+    "http://[::ffff:1.2.3.4]/v1": True,
     "http://h:/v1": True,
     "http://h:080/v1": True,
     "http://h:65535": True,
     "https://h/": True,
     "http://h/a%20b": True,
     "http://ü.example/v1": True,
+    "http://h/\uff20x": True,
     "HTTP://h/v1": False,
     "ftp://h/v1": False,
     "h/v1": False,
     "http://:80/v1": False,
     "http:///v1": False,
     "http://h:0/v1": False,
+    "http://h:00000/v1": False,
     "http://h:65536/v1": False,
     "http://h:123456/v1": False,
     "http://h:00000080/v1": False,
@@ -339,18 +343,28 @@ ENDPOINTS = {
     "http://h:1:2/v1": False,
     "http://[::1/v1": False,
     "http://[zz]/v1": False,
+    "http://[::1::]/v1": False,
+    "http://[1.2.3.4]/v1": False,
+    "http://[::1]x/v1": False,
     "http://[fe80::1%25en0]/v1": False,
     "http://h%41/v1": False,
     "http://h\\x/v1": False,
+    "http://h{x/v1": False,
+    "http://h\uff20x/v1": False,
     "http://h/%zz": False,
+    "http://h/a%2": False,
     "http://h/v 1": False,
+    "http://h/v1\u00a0": False,
+    "http://h/v1\u3000": False,
+    "http://h/v\x01": False,
+    "http://h/v\x85": False,
     "http://u:p@h/v1": False,
     "http://h/v1?k=v": False,
     "http://h/v1#f": False,
 }
 
 
-@pytest.mark.parametrize(("endpoint", "valid"), ENDPOINTS.items(), ids=list(ENDPOINTS))
+@pytest.mark.parametrize(("endpoint", "valid"), ENDPOINTS.items(), ids=ascii)
 def test_api_server_and_compile_agree_on_endpoints(
     crds: ControlPlane, bad_namespace: str, endpoint: str, valid: bool
 ) -> None:
@@ -363,8 +377,68 @@ def test_api_server_and_compile_agree_on_endpoints(
     assert (result.returncode == 0) is valid, result.stderr
     assert verdict.accepted is valid, verdict.errors
     if not valid:
-        assert "spec.endpoint" in result.stderr
-        assert [error.field for error in verdict.errors] == ["spec.endpoint"]
+        (error,) = verdict.errors
+        assert error.field == "spec.endpoint"
+        # The same rule broken, and only that one: the API server reports the first rule
+        # that fails, as compile does, in the same words.
+        assert f'spec.endpoint: Invalid value: "string": `endpoint` {error.message}' in (
+            result.stderr
+        )
+        assert result.stderr.count("`endpoint` must") == 1, result.stderr
+
+
+# A key pasted into the endpoint is never echoed back ----------------------------------
+
+SECRET = "sk-secret-123"
+USER = "ops-alice"
+# Bad endpoints that carry the key somewhere, each broken in a different way.
+LEAKY_ENDPOINTS = {
+    "credentials": f"https://{USER}:{SECRET}@example.com/v1",
+    "query": f"https://example.com/v1?user={USER}&key={SECRET}",
+    "fragment": f"https://example.com/v1#{USER}:{SECRET}",
+    "whitespace": f"https://example.com/v1 {USER}:{SECRET}",
+    "scheme": f"{USER}:{SECRET}//example.com/v1",
+    "port": f"https://example.com:{USER}{SECRET}/v1",
+    "escape": f"https://example.com/{USER}%{SECRET}",
+    "host": f"https://{USER}\\{SECRET}/v1",
+    "too-long": f"https://{USER}:{SECRET}@example.com/" + "a" * 2100,
+}
+
+
+@pytest.mark.parametrize("endpoint", LEAKY_ENDPOINTS.values(), ids=list(LEAKY_ENDPOINTS))
+def test_a_refused_endpoint_is_never_quoted_by_kubectl(
+    crds: ControlPlane, namespace: str, endpoint: str
+) -> None:
+    """`kubectl apply` refuses the endpoint naming the field and what to fix, and neither
+    the key nor the user appears in anything kubectl prints, whichever way it writes."""
+    good = _provider()
+    apply(crds, namespace, {**good, "metadata": {"name": "existing"}})
+    bad = json.dumps(_provider(endpoint=endpoint))
+    broken = first_broken(endpoint)
+    says = "Too long" if len(endpoint) > 2048 else (broken.message if broken else "")
+    assert says, endpoint
+    change = json.dumps({"spec": {"endpoint": endpoint}})
+    attempts = {
+        "apply": ("apply", "-f", "-"),
+        "apply --dry-run=server": ("apply", "--dry-run=server", "-f", "-"),
+        "apply --server-side": ("apply", "--server-side", "-f", "-"),
+        "create": ("create", "-f", "-"),
+        "create --dry-run=server": ("create", "--dry-run=server", "-f", "-"),
+        "patch": ("patch", "providerpolicy/existing", "--type=merge", "-p", change),
+    }
+    for what, args in attempts.items():
+        result = crds.kubectl("-n", namespace, *args, input=bad, check=False)
+        printed = result.stdout + result.stderr
+        assert result.returncode != 0, (what, printed)
+        assert "spec.endpoint" in result.stderr, (what, printed)
+        assert says in result.stderr, (what, printed)
+        assert SECRET not in printed, (what, printed)
+        assert USER not in printed, (what, printed)
+    # Nothing was stored: the existing resource kept its endpoint, no other was created.
+    stored = get_json(crds, namespace, "providerpolicy", "existing")
+    assert stored["spec"]["endpoint"] == good["spec"]["endpoint"]
+    names = crds.kubectl("get", "providerpolicy", "-n", namespace, "-o", "name").stdout.split()
+    assert names == ["providerpolicy.rolegate.dev/existing"]
 
 
 # Status, printer columns, explain ------------------------------------------------------
