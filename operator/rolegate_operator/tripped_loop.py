@@ -3,7 +3,7 @@
 Proxy pods write their breaker reports onto `status.reports` (one entry per pod). This
 loop wakes on any ProviderPolicy event and on a tick (reports expire by time alone),
 aggregates the live reports (tripped.py), and writes what changed: the `Tripped`
-condition and the `status.tripped` summary, with server-side apply under a field manager
+condition and the `tripped`/`trippedReason` summary, with server-side apply under a field manager
 of its own (`rolegate-operator/tripped`, so the compile loop's `Accepted` and this never
 remove each other's fields); an Event per trip and per recovery; and the removal of
 reports whose pods were not heard from within the TTL.
@@ -96,12 +96,18 @@ class TrippedLoop:
                 self._views[key] = view
                 continue
             desired = condition_body(view, existing, now)
-            if not _same(existing, desired) or (status.get("tripped") or "") != view.summary:
-                self._kube.apply_status(
-                    key,
-                    {"conditions": [desired], "tripped": view.summary},
-                    field_manager=FIELD_MANAGER,
-                )
+            # The Reason column's source: the reason only while tripped. Left out of the
+            # apply otherwise, which removes it (this manager owns it; `null` is refused).
+            reason = view.condition.reason if view.entries else None
+            if (
+                not _same(existing, desired)
+                or (status.get("tripped") or "") != view.summary
+                or status.get("trippedReason") != reason
+            ):
+                body = {"conditions": [desired], "tripped": view.summary}
+                if reason is not None:
+                    body["trippedReason"] = reason
+                self._kube.apply_status(key, body, field_manager=FIELD_MANAGER)
                 writes += 1
             if previous is not None or view.entries:
                 # After a restart the first view has no predecessor: Events only for what

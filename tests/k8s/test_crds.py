@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,8 @@ from rolegate_policy.endpoint import first_broken
 from rolegate_policy.manifests import manifest_from_object
 from rolegate_policy.model import ProviderPolicySpec, RoleTableSpec, parse_spec
 from rolegate_policy.verdicts import AcceptedReason, ResourceVerdict
+
+from ..support import kubectl_table
 
 EXAMPLES = REPO_ROOT / "examples" / "manifests"
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -458,9 +459,11 @@ def patch_status(
     )  # fmt: skip
 
 
-def table(output: str) -> list[list[str]]:
-    """`kubectl get` output split into cells (columns are separated by 2+ spaces)."""
-    return [re.split(r"\s{2,}", line.strip()) for line in output.strip().splitlines()]
+def _show(plane: ControlPlane, namespace: str, *what: str) -> list[dict[str, str]]:
+    """`kubectl get` as a person reads it (printed, for the record), one mapping per row."""
+    output = plane.kubectl("get", "-n", namespace, *what).stdout
+    print(f"\n$ kubectl get {' '.join(what)}\n{output}", end="")
+    return kubectl_table(output)
 
 
 def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: str) -> None:
@@ -468,7 +471,8 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
     apply(crds, namespace, *documents(EXAMPLES / "providers.yaml"))
     patch_status(crds, namespace, "roletable/agents", {
         "observedGeneration": 1, "roleCount": 3,
-        "conditions": [_condition("Accepted", "True", "Accepted")],
+        "conditions": [_condition("Accepted", "True", "Accepted"),
+                       _condition("Programmed", "True", "Programmed")],
         "effectiveRulings": [
             {"role": "reflex", "declared": "Auto", "effective": "Only", "reason": "Auto: ...",
              "declaredDelivery": "Auto", "delivery": "Buffered"},
@@ -477,8 +481,10 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
     })  # fmt: skip
     patch_status(crds, namespace, "providerpolicy/sim-router", {
         "observedGeneration": 1, "tripped": "model qwen/qwen3-coder",
+        "trippedReason": "EmptyResponses",
         "conditions": [
             _condition("Accepted", "True", "Accepted"),
+            _condition("Programmed", "True", "Programmed"),
             _condition("Tripped", "True", "EmptyResponses", "qwen/qwen3-coder: empty answers"),
         ],
         "reports": [{
@@ -489,15 +495,20 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
         }],
     })  # fmt: skip
 
-    roles = table(crds.kubectl("get", "rt", "-n", namespace).stdout)
-    assert roles[0] == ["NAME", "ROLES", "RULINGS", "ACCEPTED", "AGE"]
-    assert roles[1][:4] == ["agents", "3", "reflex Only/Buffered", "True"]
-    providers = table(crds.kubectl("get", "pp", "-n", namespace).stdout)
-    assert providers[0] == ["NAME", "ENDPOINT", "ACCEPTED", "TRIPPED", "SCOPE", "REASON", "AGE"]
-    assert providers[1][:6] == [
-        "sim-router", "http://127.0.0.1:8089/v1", "True", "True", "model qwen/qwen3-coder",
-        "EmptyResponses",
+    (table,) = _show(crds, namespace, "rt")
+    assert list(table) == ["NAME", "ROLES", "RULINGS", "ACCEPTED", "REASON", "PROGRAMMED", "AGE"]
+    assert {name: cell for name, cell in table.items() if name != "AGE"} == {
+        "NAME": "agents", "ROLES": "3", "RULINGS": "reflex Only/Buffered", "ACCEPTED": "True",
+        "REASON": "Accepted", "PROGRAMMED": "True",
+    }  # fmt: skip
+    (provider,) = _show(crds, namespace, "pp")
+    assert list(provider) == [
+        "NAME", "ACCEPTED", "PROGRAMMED", "TRIPPED", "SCOPE", "REASON", "AGE",
     ]  # fmt: skip
+    assert {name: cell for name, cell in provider.items() if name != "AGE"} == {
+        "NAME": "sim-router", "ACCEPTED": "True", "PROGRAMMED": "True", "TRIPPED": "True",
+        "SCOPE": "model qwen/qwen3-coder", "REASON": "EmptyResponses",
+    }  # fmt: skip
     everything = crds.kubectl("get", "rolegate", "-n", namespace, "-o", "name").stdout.split()
     assert sorted(everything) == [
         "providerpolicy.rolegate.dev/sim-router",
@@ -507,6 +518,60 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
     stored = get_json(crds, namespace, "providerpolicy", "sim-router")
     assert stored["metadata"]["generation"] == 1
     assert stored["status"]["reports"][0]["breakers"][0]["state"] == "Open"
+
+
+def test_wide_output_adds_generations_the_message_the_endpoint_and_secrets(
+    crds: ControlPlane, namespace: str
+) -> None:
+    """`-o wide` adds what a person looks at when something is off: whether the status is
+    behind the spec, why a table is refused, the endpoint, whether the key resolves. And
+    a provider that nothing trips shows no reason, though its condition has one."""
+    apply(crds, namespace, *documents(EXAMPLES / "roles.yaml"))
+    apply(crds, namespace, *documents(EXAMPLES / "providers.yaml"))
+    refused = "Role reflex: none of its models is served by an accepted ProviderPolicy."
+    patch_status(crds, namespace, "roletable/agents", {
+        "observedGeneration": 1, "roleCount": 3,
+        "conditions": [_condition("Accepted", "False", "NoServedModel", refused),
+                       _condition("Programmed", "False", "NotAccepted")],
+    })  # fmt: skip
+    patch_status(crds, namespace, "providerpolicy/sim-router", {
+        "observedGeneration": 1, "tripped": "",
+        "conditions": [
+            _condition("Accepted", "True", "Accepted"),
+            _condition("Programmed", "True", "Programmed"),
+            _condition("ResolvedRefs", "True", "ResolvedRefs"),
+            _condition("Tripped", "False", "NoOpenBreakers", "No proxy pod reports one."),
+        ],
+    })  # fmt: skip
+    # A spec change the operator has not seen yet: generation 2, the status still at 1.
+    crds.kubectl(
+        "patch", "-n", namespace, "roletable/agents", "--type=json",
+        "-p", json.dumps([{"op": "replace", "path": "/spec/roles/0/patienceSeconds", "value": 5}]),
+    )  # fmt: skip
+
+    (table,) = _show(crds, namespace, "rt")
+    (wide_table,) = _show(crds, namespace, "rt", "-o", "wide")
+    assert list(wide_table) == [*table, "GENERATION", "OBSERVED", "MESSAGE"]
+    assert {name: wide_table[name] for name in table if name != "AGE"} == {
+        name: cell for name, cell in table.items() if name != "AGE"
+    }
+    assert (table["ACCEPTED"], table["REASON"], table["PROGRAMMED"]) == (
+        "False", "NoServedModel", "False",
+    )  # fmt: skip
+    assert (wide_table["GENERATION"], wide_table["OBSERVED"]) == ("2", "1")
+    assert wide_table["MESSAGE"] == refused
+
+    (provider,) = _show(crds, namespace, "pp")
+    (wide_provider,) = _show(crds, namespace, "pp", "-o", "wide")
+    assert list(wide_provider) == [*provider, "ENDPOINT", "SECRETS", "GENERATION", "OBSERVED"]
+    assert "ENDPOINT" not in provider
+    # Tripped=False with reason NoOpenBreakers: the Reason column stays empty.
+    assert (provider["TRIPPED"], provider["SCOPE"], provider["REASON"]) == ("False", "", "")
+    assert {name: cell for name, cell in wide_provider.items() if name != "AGE"} == {
+        "NAME": "sim-router", "ACCEPTED": "True", "PROGRAMMED": "True", "TRIPPED": "False",
+        "SCOPE": "", "REASON": "", "ENDPOINT": "http://127.0.0.1:8089/v1", "SECRETS": "True",
+        "GENERATION": "1", "OBSERVED": "1",
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -542,6 +607,12 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
         pytest.param(
             "providerpolicy/vllm", {"tripped": "x" * 257}, "status.tripped", "Too long",
             id="tripped-summary-length"),
+        pytest.param(
+            "providerpolicy/vllm", {"trippedReason": "Empty Responses"},
+            "status.trippedReason", "should match", id="tripped-reason-pattern"),
+        pytest.param(
+            "providerpolicy/vllm", {"trippedReason": "E" * 65}, "status.trippedReason",
+            "Too long", id="tripped-reason-length"),
     ],
 )  # fmt: skip
 def test_status_schema_rejects_malformed_status(

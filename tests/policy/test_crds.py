@@ -107,12 +107,23 @@ def test_crd_names_scope_versions_and_columns(resource: Resource) -> None:
     root = version["schema"]["openAPIV3Schema"]
     assert root["required"] == ["spec"]
     assert root["description"].startswith(resource.kind)
-    columns = [column["name"] for column in version["additionalPrinterColumns"]]
+    printer = version["additionalPrinterColumns"]
+    shown = [column["name"] for column in printer if column.get("priority", 0) == 0]
+    wide = [column["name"] for column in printer if column.get("priority", 0) == 1]
+    assert len(shown) + len(wide) == len(printer)
     expected = {
-        "RoleTable": ["Roles", "Rulings", "Accepted", "Age"],
-        "ProviderPolicy": ["Endpoint", "Accepted", "Tripped", "Scope", "Reason", "Age"],
+        "RoleTable": (
+            ["Roles", "Rulings", "Accepted", "Reason", "Programmed", "Age"],
+            ["Generation", "Observed", "Message"],
+        ),
+        "ProviderPolicy": (
+            ["Accepted", "Programmed", "Tripped", "Scope", "Reason", "Age"],
+            ["Endpoint", "Secrets", "Generation", "Observed"],
+        ),
     }
-    assert columns == expected[resource.kind]
+    assert (shown, wide) == expected[resource.kind]
+    # `-o wide` adds its columns after the others (kubectl keeps the declared order).
+    assert [column["name"] for column in printer] == shown + wide
     for column in version["additionalPrinterColumns"]:
         # Every column points at a field the schema declares (or at a condition list).
         path = re.sub(r"\[\?\(.*\)\]\.", "[].", column["jsonPath"]).split(".")[1:]

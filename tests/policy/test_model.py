@@ -23,6 +23,7 @@ from rolegate_policy.model import (
     SpecModel,
     parse_spec,
 )
+from rolegate_policy.status import ProviderPolicyStatus, RoleTableStatus
 
 from .builders import PLANTED_SECRET, provider, role, role_table
 
@@ -463,6 +464,6 @@ def test_all_spec_models_forbid_extra_fields_and_are_frozen() -> None:
 
 def test_reference_documents_every_field() -> None:
     reference = (Path(__file__).parents[2] / "docs" / "reference.md").read_text(encoding="utf-8")
-    for model in (RoleTableSpec, ProviderPolicySpec):
+    for model in (RoleTableSpec, ProviderPolicySpec, RoleTableStatus, ProviderPolicyStatus):
         for name, _ in _properties(model.model_json_schema(by_alias=True)):
             assert f"`{name}`" in reference, f"docs/reference.md does not document {name}"
