@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import uuid
@@ -75,8 +76,9 @@ async def proxy_server() -> AsyncIterator[ProxyFactory]:
 # does or fails loudly.
 
 
-@pytest.fixture(scope="session")
-def control_plane() -> Iterator[ControlPlane]:
+@contextlib.contextmanager
+def fresh_control_plane() -> Iterator[ControlPlane]:
+    """etcd and kube-apiserver in a scratch directory, stopped and removed afterwards."""
     root = scratch_dir()
     plane = ControlPlane(bin_dir=installed_binaries(), root=root)
     try:
@@ -84,6 +86,12 @@ def control_plane() -> Iterator[ControlPlane]:
     finally:
         plane.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def control_plane() -> Iterator[ControlPlane]:
+    with fresh_control_plane() as plane:
+        yield plane
 
 
 @pytest.fixture

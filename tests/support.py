@@ -195,3 +195,22 @@ def compile_objects(objects: list[dict[str, Any]]) -> ProxyConfig:
     rejected = [v for v in result.verdicts if not v.accepted]
     assert not rejected, f"test manifests rejected: {rejected}"
     return result.config
+
+
+def kubectl_table(output: str) -> list[dict[str, str]]:
+    """`kubectl get` output as one mapping per row, column header -> cell. Read by the
+    headers' offsets: an empty cell collapses the spacing, so splitting on spaces would
+    shift every cell after it."""
+    header, *rows = output.rstrip("\n").splitlines()
+    names = header.split()
+    starts: list[int] = []
+    at = 0
+    for name in names:
+        at = header.index(name, at)
+        starts.append(at)
+        at += len(name)
+    ends: list[int | None] = [*starts[1:], None]
+    return [
+        {name: row[start:end].strip() for name, start, end in zip(names, starts, ends, strict=True)}
+        for row in rows
+    ]

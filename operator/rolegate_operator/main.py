@@ -227,6 +227,9 @@ def run_operator(
     Returns (or raises) within `STOP_SECONDS` of a signal; work still running then (an API
     call in a worker thread waiting out its timeout) is abandoned: the caller exits the
     process with `exit_now`, since nothing is lost that the next start does not redo."""
+    # The client's own retries of a refused connection say nothing our warnings do not,
+    # and during an outage they would be most of the log.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     kube = Kube(configuration)
     namespace = options.namespaces[0] if options.namespaces else None
     try:

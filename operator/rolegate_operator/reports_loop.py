@@ -190,12 +190,17 @@ class ReportsLoop:
         of its trips and recoveries."""
         status = judged.status if judged is not None else resource.status
         desired: list[DesiredCondition] = []
-        fields: dict[str, Any] = {}
+        # The fields besides conditions, as they should read ("" or None: absent).
+        fields: dict[str, str | None] = {}
         if judged is not None:
             view = judged.view
             if find_condition(status, TRIPPED) is not None or view.live_pods:
                 desired.append(view.condition)
                 fields["tripped"] = view.summary
+                # The Reason column's source: the reason only while tripped. Left out of
+                # the apply otherwise, which removes it (this manager owns it; `null` is
+                # refused by the schema).
+                fields["trippedReason"] = view.condition.reason if view.entries else None
             refs = resolved_refs(resource.spec, resource.generation, view.live_reports)
             if refs is not None:
                 desired.append(refs)
@@ -207,11 +212,12 @@ class ReportsLoop:
         writes = 0
         rendered = [render_condition(c, find_condition(status, c.type), now) for c in desired]
         changed = any(not _same(find_condition(status, c["type"]), c) for c in rendered) or any(
-            (status.get(name) or "") != value for name, value in fields.items()
+            (status.get(name) or None) != (value or None) for name, value in fields.items()
         )
         if rendered and changed:
+            present = {name: value for name, value in fields.items() if value is not None}
             self._kube.apply_status(
-                key, {"conditions": rendered, **fields}, field_manager=FIELD_MANAGER
+                key, {"conditions": rendered, **present}, field_manager=FIELD_MANAGER
             )
             writes += 1
         if judged is not None and (judged.previous is not None or judged.view.entries):

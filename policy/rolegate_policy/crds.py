@@ -27,7 +27,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Required, TypedDict
 
 import yaml
 from pydantic import BaseModel
@@ -45,17 +45,54 @@ from rolegate_policy.status import ProviderPolicyStatus, RoleTableStatus
 
 # The resources ----------------------------------------------------------------------
 
-_ACCEPTED_COLUMN: Final = {
+
+class PrinterColumn(TypedDict, total=False):
+    """One of a CRD version's `additionalPrinterColumns`."""
+
+    name: Required[str]
+    type: Required[str]
+    jsonPath: Required[str]
+    description: str
+    # 1: shown only by `kubectl get -o wide`.
+    priority: int
+
+
+# The columns both kinds show. `-o wide` adds the priority-1 ones; kubectl shows every
+# column in the order declared, so those come after Age, as `kubectl get pods -o wide`
+# puts its extra columns last.
+_ACCEPTED_COLUMN: Final[PrinterColumn] = {
     "name": "Accepted",
     "type": "string",
     "jsonPath": '.status.conditions[?(@.type=="Accepted")].status',
     "description": "Whether the operator compiled the resource into the proxy configuration.",
 }
-_AGE_COLUMN: Final = {
+_PROGRAMMED_COLUMN: Final[PrinterColumn] = {
+    "name": "Programmed",
+    "type": "string",
+    "jsonPath": '.status.conditions[?(@.type=="Programmed")].status',
+    "description": "Whether the proxy configuration that carries the resource is written.",
+}
+_AGE_COLUMN: Final[PrinterColumn] = {
     "name": "Age",
     "type": "date",
     "jsonPath": ".metadata.creationTimestamp",
 }
+_GENERATION_COLUMNS: Final[tuple[PrinterColumn, ...]] = (
+    {
+        "name": "Generation",
+        "type": "integer",
+        "jsonPath": ".metadata.generation",
+        "description": "The spec's generation.",
+        "priority": 1,
+    },
+    {
+        "name": "Observed",
+        "type": "integer",
+        "jsonPath": ".status.observedGeneration",
+        "description": "The generation the status describes; below Generation, it is behind.",
+        "priority": 1,
+    },
+)
 
 
 @dataclass(frozen=True)
@@ -69,7 +106,7 @@ class Resource:
     description: str
     spec: type[BaseModel]
     status: type[BaseModel]
-    columns: tuple[dict[str, str], ...]
+    columns: tuple[PrinterColumn, ...]
 
     @property
     def crd_name(self) -> str:
@@ -111,7 +148,22 @@ RESOURCES: Final = (
                 "description": "Each role's effective ruling and delivery.",
             },
             _ACCEPTED_COLUMN,
+            {
+                "name": "Reason",
+                "type": "string",
+                "jsonPath": '.status.conditions[?(@.type=="Accepted")].reason',
+                "description": "Why the table is accepted or not (e.g. `NoServedModel`).",
+            },
+            _PROGRAMMED_COLUMN,
             _AGE_COLUMN,
+            *_GENERATION_COLUMNS,
+            {
+                "name": "Message",
+                "type": "string",
+                "jsonPath": '.status.conditions[?(@.type=="Accepted")].message',
+                "description": "The Accepted condition's message: the field and what to fix.",
+                "priority": 1,
+            },
         ),
     ),
     Resource(
@@ -130,13 +182,8 @@ RESOURCES: Final = (
         spec=ProviderPolicySpec,
         status=ProviderPolicyStatus,
         columns=(
-            {
-                "name": "Endpoint",
-                "type": "string",
-                "jsonPath": ".spec.endpoint",
-                "description": "Base URL of the provider's API.",
-            },
             _ACCEPTED_COLUMN,
+            _PROGRAMMED_COLUMN,
             {
                 "name": "Tripped",
                 "type": "string",
@@ -150,12 +197,29 @@ RESOURCES: Final = (
                 "description": "What is tripped: the provider, or which models.",
             },
             {
+                # Not the Tripped condition's reason: that one is also set (`NoOpenBreakers`)
+                # when nothing is tripped, and a JSONPath filter cannot test two fields.
                 "name": "Reason",
                 "type": "string",
-                "jsonPath": '.status.conditions[?(@.type=="Tripped")].reason',
-                "description": "Why it tripped.",
+                "jsonPath": ".status.trippedReason",
+                "description": "Why it tripped; empty when nothing is.",
             },
             _AGE_COLUMN,
+            {
+                "name": "Endpoint",
+                "type": "string",
+                "jsonPath": ".spec.endpoint",
+                "description": "Base URL of the provider's API.",
+                "priority": 1,
+            },
+            {
+                "name": "Secrets",
+                "type": "string",
+                "jsonPath": '.status.conditions[?(@.type=="ResolvedRefs")].status',
+                "description": "Whether the API key Secret it references resolves.",
+                "priority": 1,
+            },
+            *_GENERATION_COLUMNS,
         ),
     ),
 )

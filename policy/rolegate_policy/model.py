@@ -15,9 +15,7 @@ convention); a misspelled or unknown field is an error that names it.
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated, Any, Final
-from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -29,6 +27,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from rolegate_policy import endpoint as endpoint_rules
 from rolegate_policy.enums import Delivery, Dialect, Ruling, TransportScope, Visibility
 from rolegate_policy.field_errors import Loc, SpecRuleError, register_pattern_hint, shorten
 
@@ -52,22 +51,6 @@ DNS_SUBDOMAIN_PATTERN: Final = register_pattern_hint(
 )
 SECRET_KEY_PATTERN: Final = register_pattern_hint(
     r"^[-._a-zA-Z0-9]+$", "letters, digits, '-', '.' or '_'"
-)
-# The schema's shape of an endpoint; `_check_endpoint` enforces it too, after its more
-# precise checks. Where Go's URL parser (the API server) and Python's disagree, the
-# pattern refuses both readings: a host is a bracketed IPv6 address or a name without
-# `%`, backslash or `:`; a port is at most five digits; a path has only well-formed escapes.
-ENDPOINT_PATTERN: Final = (
-    r"^https?://(\[[0-9A-Fa-f:.]+\]|[^\s/?#@%\\:\[\]]+)(:[0-9]{0,5})?"
-    r"(/([^\s?#@%]|%[0-9A-Fa-f]{2})*)?$"
-)
-_ENDPOINT = re.compile(ENDPOINT_PATTERN)
-# What the pattern cannot say, as the API server checks it (CEL's URL library, Go's
-# url.ParseRequestURI): a parseable URL, with a host, and a port (if any) from 1 to 65535.
-ENDPOINT_CEL_RULE: Final = (
-    "isURL(self) && url(self).getHostname() != '' && (url(self).getPort() == '' || "
-    "(size(url(self).getPort()) <= 5 && int(url(self).getPort()) >= 1 && "
-    "int(url(self).getPort()) <= 65535))"
 )
 
 MAX_SECONDS: Final = 3600.0
@@ -674,20 +657,13 @@ class ProviderPolicySpec(SpecModel):
     endpoint: str = Field(
         min_length=1,
         max_length=2048,
-        json_schema_extra={
-            "pattern": ENDPOINT_PATTERN,
-            "x-kubernetes-validations": [
-                _cel(
-                    ENDPOINT_CEL_RULE,
-                    "`endpoint` must be an http or https URL with a host and, if it has a "
-                    "port, a port from 1 to 65535",
-                )
-            ],
-        },
+        # CEL rules and no `pattern`: a failed pattern makes the API server quote the
+        # value back, and this is where a key gets pasted (`https://user:sk-...@host`).
+        json_schema_extra={"x-kubernetes-validations": endpoint_rules.cel_rules()},
         description=(
             "Base URL of the OpenAI-compatible API, e.g. `https://openrouter.ai/api/v1`; "
             "the proxy appends `/chat/completions`. http or https, with a host, without "
-            "credentials or a query string."
+            "credentials, a query string or a fragment."
         ),
     )
     dialect: Dialect = Field(
@@ -731,38 +707,11 @@ class ProviderPolicySpec(SpecModel):
     @field_validator("endpoint")
     @classmethod
     def _check_endpoint(cls, value: str) -> str:
-        # Messages never quote the URL: it is the one field where someone might paste a
-        # key (`https://user:sk-...@host`).
-        example = "e.g. https://openrouter.ai/api/v1"
-        if any(character.isspace() for character in value):
-            raise ValueError("must not contain whitespace")
-        try:
-            parts = urlsplit(value)
-            port = parts.port
-        except ValueError:
-            raise ValueError(f"must be a valid http(s) URL, {example}") from None
-        if parts.scheme not in ("http", "https") or not value.startswith(("http://", "https://")):
-            raise ValueError(f"must start with http:// or https://, {example}")
-        if "@" in parts.netloc:
-            raise ValueError(
-                "must not contain credentials (user:password@host); store the key in a "
-                "Secret and reference it with apiKeySecretRef"
-            )
-        if not parts.hostname:
-            raise ValueError(f"must name a host, {example}")
-        if port == 0:
-            raise ValueError("must not use port 0")
-        if parts.query or "?" in value:
-            raise ValueError(
-                "must not have a query string; it is a base URL the proxy appends "
-                "/chat/completions to (and a key belongs in apiKeySecretRef)"
-            )
-        if parts.fragment or "#" in value:
-            raise ValueError("must not have a fragment (#...)")
-        if "%" in parts.netloc:
-            raise ValueError("must not contain percent-escapes in the host")
-        if not _ENDPOINT.fullmatch(value):
-            raise ValueError(f"must be an http(s) base URL, {example}")
+        # The same rules, in the same order, as the CEL rules the API server runs
+        # (endpoint.py); like theirs, the message never quotes the URL.
+        problem = endpoint_rules.problem(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")

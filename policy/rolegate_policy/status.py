@@ -41,6 +41,7 @@ MAX_CONDITIONS: Final = 16
 MAX_POD_REPORTS: Final = 64
 MAX_BREAKERS_PER_REPORT: Final = 256
 MAX_QUIRKS_PER_REPORT: Final = 8
+MAX_TRIPPED_REASON: Final = 64
 
 
 class StatusModel(BaseModel):
@@ -65,8 +66,11 @@ class Condition(StatusModel):
         pattern=CONDITION_TYPE_PATTERN,
         description=(
             "Type of the condition, in PascalCase: `Accepted` (the operator compiled the "
-            "resource into the proxy configuration) or, for a ProviderPolicy, `Tripped` "
-            "(a breaker has taken the provider or some of its models out of rotation)."
+            "resource into the proxy configuration), `Programmed` (every live proxy pod "
+            "reports serving the configuration that holds this generation) or, for a "
+            "ProviderPolicy, `ResolvedRefs` (the proxy pods could read the API key "
+            "`apiKeySecretRef` names) and `Tripped` (a breaker has taken the provider or some "
+            "of its models out of rotation)."
         ),
     )
     status: ConditionStatus = Field(
@@ -351,7 +355,7 @@ class PodReport(StatusModel):
 
 class ProviderPolicyStatus(StatusModel):
     """The state of the ProviderPolicy: written by the operator (`Accepted`, `Tripped`,
-    `tripped`) and by each proxy pod (its own entry of `reports`)."""
+    `tripped`, `trippedReason`) and by each proxy pod (its own entry of `reports`)."""
 
     observed_generation: int | None = Field(
         default=None,
@@ -375,6 +379,16 @@ class ProviderPolicyStatus(StatusModel):
         description=(
             "Summary of what is tripped, for `kubectl get`: `provider`, or the tripped "
             "models (e.g. `model qwen/qwen3-coder`); empty when nothing is tripped."
+        ),
+    )
+    tripped_reason: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TRIPPED_REASON,
+        pattern=CONDITION_REASON_PATTERN,
+        description=(
+            "The leading reason while something is tripped (the `Tripped` condition's "
+            "reason, e.g. `EmptyResponses`), for `kubectl get`; absent otherwise."
         ),
     )
     reports: list[PodReport] = Field(

@@ -6,36 +6,40 @@ import asyncio
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
+
+# Each process's stderr file, by pid. Always a file, never a pipe: a pipe nobody reads
+# fills after 64 KiB (an API-server outage logs that much) and then blocks every thread of
+# the process that logs, freezing it.
+_LOGS: dict[int, Path] = {}
 
 
 async def start_cli(
     *args: str, env: dict[str, str] | None = None, log: Path | None = None
 ) -> subprocess.Popen[str]:
-    """The command as a process; its stderr to `log` when given (a test reads it while the
-    process runs), else to a pipe `stop` reads."""
+    """The command as a process, its stderr to `log` (a test may read it while the
+    process runs), else to a temporary file `stop` prints the tail of."""
     command = [sys.executable, "-m", "rolegate_cli.main", "--log-level", "info", *args]
-    environment = {**os.environ, **(env or {})}
+    process, path = await asyncio.to_thread(_spawn, command, {**os.environ, **(env or {})}, log)
+    _LOGS[process.pid] = path
+    return process
+
+
+def _spawn(
+    command: list[str], environment: dict[str, str], log: Path | None
+) -> tuple[subprocess.Popen[str], Path]:
     if log is None:
-        return await asyncio.to_thread(
-            subprocess.Popen,
-            command,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=environment,
-        )
+        handle, name = tempfile.mkstemp(prefix="rolegate-", suffix=".log")
+        os.close(handle)
+        log = Path(name)
     with log.open("w", encoding="utf-8") as stderr:
-        return await asyncio.to_thread(
-            subprocess.Popen,
-            command,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            text=True,
-            env=environment,
+        process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=stderr, text=True, env=environment
         )
+    return process, log
 
 
 async def stop(process: subprocess.Popen[str]) -> str:
@@ -43,11 +47,13 @@ async def stop(process: subprocess.Popen[str]) -> str:
     if process.poll() is None:
         process.terminate()
     try:
-        _, stderr = await asyncio.to_thread(process.communicate, timeout=30)
+        await asyncio.to_thread(process.wait, timeout=30)
     except subprocess.TimeoutExpired:
         process.kill()
-        _, stderr = await asyncio.to_thread(process.communicate, timeout=10)
-    tail = (stderr or "")[-4000:]
+        await asyncio.to_thread(process.wait, timeout=10)
+    log = _LOGS.get(process.pid)
+    text = log.read_text(encoding="utf-8", errors="replace") if log is not None else ""
+    tail = text[-4000:]
     print(tail)
     return tail
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import pytest
 
 from rolegate_cli.controlplane import ControlPlane, free_port
 
-from ..support import SimFactory, provider_policy, role, role_table
+from ..support import SimFactory, kubectl_table, provider_policy, role, role_table
 from ..waiting import eventually
 from .processes import ready, start_cli, stop
 
@@ -43,13 +42,8 @@ class Stack:
         return status
 
     async def columns(self) -> dict[str, str]:
-        table = await asyncio.to_thread(self.kubectl, "get", "pp", "router")
-        header, row = table.strip().splitlines()[:2]
-        names = re.split(r"\s{2,}", header.strip())
-        # Empty cells collapse the spacing: read by column offsets instead.
-        starts = [header.index(name) for name in names]
-        ends = [*starts[1:], None]
-        return {n: row[s:e].strip() for n, s, e in zip(names, starts, ends, strict=True)}
+        (row,) = kubectl_table(await asyncio.to_thread(self.kubectl, "get", "pp", "router"))
+        return row
 
     async def faults(self, faults: list[dict[str, Any]]) -> None:
         async with httpx.AsyncClient() as client:
@@ -133,6 +127,8 @@ async def test_a_fault_shows_as_tripped_on_the_resource_and_recovers(stack: Stac
         return (await stack.columns()).get("TRIPPED") == "False"
 
     await eventually(calm, what="Tripped=False once pods report", within=20)
+    # Nothing tripped: no reason shown (the condition's own reason is `NoOpenBreakers`).
+    assert (await stack.columns())["REASON"] == ""
 
     # The machine starts answering empty on 200 to ASCII prompts.
     await stack.faults([{"kind": "empty", "always": True}])
@@ -175,6 +171,10 @@ async def test_a_fault_shows_as_tripped_on_the_resource_and_recovers(stack: Stac
         return (await stack.columns()).get("TRIPPED") == "False"
 
     await eventually(recovered, what="the recovery to show", within=30)
+    # The reason leaves with the trip (written together).
+    columns = await stack.columns()
+    assert (columns["SCOPE"], columns["REASON"]) == ("", "")
+    assert "trippedReason" not in await stack.pp()
 
     async def recovery_posted() -> bool:
         described = await asyncio.to_thread(stack.kubectl, "describe", "pp", "router")

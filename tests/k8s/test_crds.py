@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +19,12 @@ import yaml
 from rolegate_cli.controlplane import REPO_ROOT, ControlPlane
 from rolegate_policy.compile import compile_manifests
 from rolegate_policy.crds import RESOURCES, clean_description
+from rolegate_policy.endpoint import first_broken
 from rolegate_policy.manifests import manifest_from_object
 from rolegate_policy.model import ProviderPolicySpec, RoleTableSpec, parse_spec
 from rolegate_policy.verdicts import AcceptedReason, ResourceVerdict
+
+from ..support import kubectl_table
 
 EXAMPLES = REPO_ROOT / "examples" / "manifests"
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -269,11 +271,11 @@ INVALID = [
     Invalid("secret-name-pattern", _provider(apiKeySecretRef={"name": "My_Secret", "key": "k"}),
             "spec.apiKeySecretRef.name", "should match"),
     Invalid("endpoint-port-zero", _provider(endpoint="https://router.example:0/v1"),
-            "spec.endpoint", "`endpoint` must be an http or https URL"),
+            "spec.endpoint", "`endpoint` must have no port or a port from 1 to 65535"),
     Invalid("endpoint-with-credentials", _provider(endpoint="https://u:p@router.example/v1"),
-            "spec.endpoint", "should match"),
+            "spec.endpoint", "`endpoint` must not contain credentials"),
     Invalid("endpoint-with-query", _provider(endpoint="https://router.example/v1?key=k"),
-            "spec.endpoint", "should match"),
+            "spec.endpoint", "`endpoint` must not have a query string"),
     Invalid("missing-endpoint", _edit(_provider(), lambda s: s.pop("endpoint")),
             "spec.endpoint", "Required value"),
 ]  # fmt: skip
@@ -312,25 +314,28 @@ def test_compile_rejects_the_same_manifest_naming_the_same_field(case: Invalid) 
     assert expected in [error.field for error in verdict.errors], verdict.errors
 
 
-# The endpoint: the API server (Go's URL parser, via CEL) and compile (Python's) agree ----
+# The endpoint: the API server (CEL) and compile (Python) agree, rule by rule -------------
 
 ENDPOINTS = {
     "https://openrouter.ai/api/v1": True,
     "http://127.0.0.1:8089/v1": True,
     "http://vllm.ns.svc:8000": True,
     "http://[::1]:8080/v1": True,
+    "http://[::ffff:1.2.3.4]/v1": True,
     "http://h:/v1": True,
     "http://h:080/v1": True,
     "http://h:65535": True,
     "https://h/": True,
     "http://h/a%20b": True,
     "http://ü.example/v1": True,
+    "http://h/\uff20x": True,
     "HTTP://h/v1": False,
     "ftp://h/v1": False,
     "h/v1": False,
     "http://:80/v1": False,
     "http:///v1": False,
     "http://h:0/v1": False,
+    "http://h:00000/v1": False,
     "http://h:65536/v1": False,
     "http://h:123456/v1": False,
     "http://h:00000080/v1": False,
@@ -339,18 +344,28 @@ ENDPOINTS = {
     "http://h:1:2/v1": False,
     "http://[::1/v1": False,
     "http://[zz]/v1": False,
+    "http://[::1::]/v1": False,
+    "http://[1.2.3.4]/v1": False,
+    "http://[::1]x/v1": False,
     "http://[fe80::1%25en0]/v1": False,
     "http://h%41/v1": False,
     "http://h\\x/v1": False,
+    "http://h{x/v1": False,
+    "http://h\uff20x/v1": False,
     "http://h/%zz": False,
+    "http://h/a%2": False,
     "http://h/v 1": False,
+    "http://h/v1\u00a0": False,
+    "http://h/v1\u3000": False,
+    "http://h/v\x01": False,
+    "http://h/v\x85": False,
     "http://u:p@h/v1": False,
     "http://h/v1?k=v": False,
     "http://h/v1#f": False,
 }
 
 
-@pytest.mark.parametrize(("endpoint", "valid"), ENDPOINTS.items(), ids=list(ENDPOINTS))
+@pytest.mark.parametrize(("endpoint", "valid"), ENDPOINTS.items(), ids=ascii)
 def test_api_server_and_compile_agree_on_endpoints(
     crds: ControlPlane, bad_namespace: str, endpoint: str, valid: bool
 ) -> None:
@@ -363,8 +378,68 @@ def test_api_server_and_compile_agree_on_endpoints(
     assert (result.returncode == 0) is valid, result.stderr
     assert verdict.accepted is valid, verdict.errors
     if not valid:
-        assert "spec.endpoint" in result.stderr
-        assert [error.field for error in verdict.errors] == ["spec.endpoint"]
+        (error,) = verdict.errors
+        assert error.field == "spec.endpoint"
+        # The same rule broken, and only that one: the API server reports the first rule
+        # that fails, as compile does, in the same words.
+        assert f'spec.endpoint: Invalid value: "string": `endpoint` {error.message}' in (
+            result.stderr
+        )
+        assert result.stderr.count("`endpoint` must") == 1, result.stderr
+
+
+# A key pasted into the endpoint is never echoed back ----------------------------------
+
+SECRET = "sk-secret-123"
+USER = "ops-alice"
+# Bad endpoints that carry the key somewhere, each broken in a different way.
+LEAKY_ENDPOINTS = {
+    "credentials": f"https://{USER}:{SECRET}@example.com/v1",
+    "query": f"https://example.com/v1?user={USER}&key={SECRET}",
+    "fragment": f"https://example.com/v1#{USER}:{SECRET}",
+    "whitespace": f"https://example.com/v1 {USER}:{SECRET}",
+    "scheme": f"{USER}:{SECRET}//example.com/v1",
+    "port": f"https://example.com:{USER}{SECRET}/v1",
+    "escape": f"https://example.com/{USER}%{SECRET}",
+    "host": f"https://{USER}\\{SECRET}/v1",
+    "too-long": f"https://{USER}:{SECRET}@example.com/" + "a" * 2100,
+}
+
+
+@pytest.mark.parametrize("endpoint", LEAKY_ENDPOINTS.values(), ids=list(LEAKY_ENDPOINTS))
+def test_a_refused_endpoint_is_never_quoted_by_kubectl(
+    crds: ControlPlane, namespace: str, endpoint: str
+) -> None:
+    """`kubectl apply` refuses the endpoint naming the field and what to fix, and neither
+    the key nor the user appears in anything kubectl prints, whichever way it writes."""
+    good = _provider()
+    apply(crds, namespace, {**good, "metadata": {"name": "existing"}})
+    bad = json.dumps(_provider(endpoint=endpoint))
+    broken = first_broken(endpoint)
+    says = "Too long" if len(endpoint) > 2048 else (broken.message if broken else "")
+    assert says, endpoint
+    change = json.dumps({"spec": {"endpoint": endpoint}})
+    attempts = {
+        "apply": ("apply", "-f", "-"),
+        "apply --dry-run=server": ("apply", "--dry-run=server", "-f", "-"),
+        "apply --server-side": ("apply", "--server-side", "-f", "-"),
+        "create": ("create", "-f", "-"),
+        "create --dry-run=server": ("create", "--dry-run=server", "-f", "-"),
+        "patch": ("patch", "providerpolicy/existing", "--type=merge", "-p", change),
+    }
+    for what, args in attempts.items():
+        result = crds.kubectl("-n", namespace, *args, input=bad, check=False)
+        printed = result.stdout + result.stderr
+        assert result.returncode != 0, (what, printed)
+        assert "spec.endpoint" in result.stderr, (what, printed)
+        assert says in result.stderr, (what, printed)
+        assert SECRET not in printed, (what, printed)
+        assert USER not in printed, (what, printed)
+    # Nothing was stored: the existing resource kept its endpoint, no other was created.
+    stored = get_json(crds, namespace, "providerpolicy", "existing")
+    assert stored["spec"]["endpoint"] == good["spec"]["endpoint"]
+    names = crds.kubectl("get", "providerpolicy", "-n", namespace, "-o", "name").stdout.split()
+    assert names == ["providerpolicy.rolegate.dev/existing"]
 
 
 # Status, printer columns, explain ------------------------------------------------------
@@ -384,9 +459,11 @@ def patch_status(
     )  # fmt: skip
 
 
-def table(output: str) -> list[list[str]]:
-    """`kubectl get` output split into cells (columns are separated by 2+ spaces)."""
-    return [re.split(r"\s{2,}", line.strip()) for line in output.strip().splitlines()]
+def _show(plane: ControlPlane, namespace: str, *what: str) -> list[dict[str, str]]:
+    """`kubectl get` as a person reads it (printed, for the record), one mapping per row."""
+    output = plane.kubectl("get", "-n", namespace, *what).stdout
+    print(f"\n$ kubectl get {' '.join(what)}\n{output}", end="")
+    return kubectl_table(output)
 
 
 def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: str) -> None:
@@ -394,7 +471,8 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
     apply(crds, namespace, *documents(EXAMPLES / "providers.yaml"))
     patch_status(crds, namespace, "roletable/agents", {
         "observedGeneration": 1, "roleCount": 3,
-        "conditions": [_condition("Accepted", "True", "Accepted")],
+        "conditions": [_condition("Accepted", "True", "Accepted"),
+                       _condition("Programmed", "True", "Programmed")],
         "effectiveRulings": [
             {"role": "reflex", "declared": "Auto", "effective": "Only", "reason": "Auto: ...",
              "declaredDelivery": "Auto", "delivery": "Buffered"},
@@ -403,8 +481,10 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
     })  # fmt: skip
     patch_status(crds, namespace, "providerpolicy/sim-router", {
         "observedGeneration": 1, "tripped": "model qwen/qwen3-coder",
+        "trippedReason": "EmptyResponses",
         "conditions": [
             _condition("Accepted", "True", "Accepted"),
+            _condition("Programmed", "True", "Programmed"),
             _condition("Tripped", "True", "EmptyResponses", "qwen/qwen3-coder: empty answers"),
         ],
         "reports": [{
@@ -415,15 +495,20 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
         }],
     })  # fmt: skip
 
-    roles = table(crds.kubectl("get", "rt", "-n", namespace).stdout)
-    assert roles[0] == ["NAME", "ROLES", "RULINGS", "ACCEPTED", "AGE"]
-    assert roles[1][:4] == ["agents", "3", "reflex Only/Buffered", "True"]
-    providers = table(crds.kubectl("get", "pp", "-n", namespace).stdout)
-    assert providers[0] == ["NAME", "ENDPOINT", "ACCEPTED", "TRIPPED", "SCOPE", "REASON", "AGE"]
-    assert providers[1][:6] == [
-        "sim-router", "http://127.0.0.1:8089/v1", "True", "True", "model qwen/qwen3-coder",
-        "EmptyResponses",
+    (table,) = _show(crds, namespace, "rt")
+    assert list(table) == ["NAME", "ROLES", "RULINGS", "ACCEPTED", "REASON", "PROGRAMMED", "AGE"]
+    assert {name: cell for name, cell in table.items() if name != "AGE"} == {
+        "NAME": "agents", "ROLES": "3", "RULINGS": "reflex Only/Buffered", "ACCEPTED": "True",
+        "REASON": "Accepted", "PROGRAMMED": "True",
+    }  # fmt: skip
+    (provider,) = _show(crds, namespace, "pp")
+    assert list(provider) == [
+        "NAME", "ACCEPTED", "PROGRAMMED", "TRIPPED", "SCOPE", "REASON", "AGE",
     ]  # fmt: skip
+    assert {name: cell for name, cell in provider.items() if name != "AGE"} == {
+        "NAME": "sim-router", "ACCEPTED": "True", "PROGRAMMED": "True", "TRIPPED": "True",
+        "SCOPE": "model qwen/qwen3-coder", "REASON": "EmptyResponses",
+    }  # fmt: skip
     everything = crds.kubectl("get", "rolegate", "-n", namespace, "-o", "name").stdout.split()
     assert sorted(everything) == [
         "providerpolicy.rolegate.dev/sim-router",
@@ -433,6 +518,60 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
     stored = get_json(crds, namespace, "providerpolicy", "sim-router")
     assert stored["metadata"]["generation"] == 1
     assert stored["status"]["reports"][0]["breakers"][0]["state"] == "Open"
+
+
+def test_wide_output_adds_generations_the_message_the_endpoint_and_secrets(
+    crds: ControlPlane, namespace: str
+) -> None:
+    """`-o wide` adds what a person looks at when something is off: whether the status is
+    behind the spec, why a table is refused, the endpoint, whether the key resolves. And
+    a provider that nothing trips shows no reason, though its condition has one."""
+    apply(crds, namespace, *documents(EXAMPLES / "roles.yaml"))
+    apply(crds, namespace, *documents(EXAMPLES / "providers.yaml"))
+    refused = "Role reflex: none of its models is served by an accepted ProviderPolicy."
+    patch_status(crds, namespace, "roletable/agents", {
+        "observedGeneration": 1, "roleCount": 3,
+        "conditions": [_condition("Accepted", "False", "NoServedModel", refused),
+                       _condition("Programmed", "False", "NotAccepted")],
+    })  # fmt: skip
+    patch_status(crds, namespace, "providerpolicy/sim-router", {
+        "observedGeneration": 1, "tripped": "",
+        "conditions": [
+            _condition("Accepted", "True", "Accepted"),
+            _condition("Programmed", "True", "Programmed"),
+            _condition("ResolvedRefs", "True", "ResolvedRefs"),
+            _condition("Tripped", "False", "NoOpenBreakers", "No proxy pod reports one."),
+        ],
+    })  # fmt: skip
+    # A spec change the operator has not seen yet: generation 2, the status still at 1.
+    crds.kubectl(
+        "patch", "-n", namespace, "roletable/agents", "--type=json",
+        "-p", json.dumps([{"op": "replace", "path": "/spec/roles/0/patienceSeconds", "value": 5}]),
+    )  # fmt: skip
+
+    (table,) = _show(crds, namespace, "rt")
+    (wide_table,) = _show(crds, namespace, "rt", "-o", "wide")
+    assert list(wide_table) == [*table, "GENERATION", "OBSERVED", "MESSAGE"]
+    assert {name: wide_table[name] for name in table if name != "AGE"} == {
+        name: cell for name, cell in table.items() if name != "AGE"
+    }
+    assert (table["ACCEPTED"], table["REASON"], table["PROGRAMMED"]) == (
+        "False", "NoServedModel", "False",
+    )  # fmt: skip
+    assert (wide_table["GENERATION"], wide_table["OBSERVED"]) == ("2", "1")
+    assert wide_table["MESSAGE"] == refused
+
+    (provider,) = _show(crds, namespace, "pp")
+    (wide_provider,) = _show(crds, namespace, "pp", "-o", "wide")
+    assert list(wide_provider) == [*provider, "ENDPOINT", "SECRETS", "GENERATION", "OBSERVED"]
+    assert "ENDPOINT" not in provider
+    # Tripped=False with reason NoOpenBreakers: the Reason column stays empty.
+    assert (provider["TRIPPED"], provider["SCOPE"], provider["REASON"]) == ("False", "", "")
+    assert {name: cell for name, cell in wide_provider.items() if name != "AGE"} == {
+        "NAME": "sim-router", "ACCEPTED": "True", "PROGRAMMED": "True", "TRIPPED": "False",
+        "SCOPE": "", "REASON": "", "ENDPOINT": "http://127.0.0.1:8089/v1", "SECRETS": "True",
+        "GENERATION": "1", "OBSERVED": "1",
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -468,6 +607,12 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
         pytest.param(
             "providerpolicy/vllm", {"tripped": "x" * 257}, "status.tripped", "Too long",
             id="tripped-summary-length"),
+        pytest.param(
+            "providerpolicy/vllm", {"trippedReason": "Empty Responses"},
+            "status.trippedReason", "should match", id="tripped-reason-pattern"),
+        pytest.param(
+            "providerpolicy/vllm", {"trippedReason": "E" * 65}, "status.trippedReason",
+            "Too long", id="tripped-reason-length"),
     ],
 )  # fmt: skip
 def test_status_schema_rejects_malformed_status(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 
 from rolegate_cli.controlplane import ControlPlane, free_port
 
+from ..support import kubectl_table
 from ..waiting import eventually, seconds_until
 from .processes import ready, served_roles, start_cli, stop
 
@@ -60,15 +60,6 @@ async def stack(crds: ControlPlane, namespace: str) -> AsyncIterator[str]:
         await sim.stop()
 
 
-def _rows(table: str) -> list[dict[str, str]]:
-    """`kubectl get` output as rows keyed by column header (columns are 2+ spaces apart)."""
-    lines = table.strip().splitlines()
-    header = re.split(r"\s{2,}", lines[0].strip())
-    return [
-        dict(zip(header, re.split(r"\s{2,}", line.strip()), strict=False)) for line in lines[1:]
-    ]
-
-
 def _get(plane: ControlPlane, namespace: str, *args: str) -> str:
     return plane.kubectl("-n", namespace, "get", *args).stdout
 
@@ -77,9 +68,9 @@ async def test_apply_serve_and_change_a_ruling(
     stack: str, crds: ControlPlane, namespace: str
 ) -> None:
     # Both resources are accepted and the printer columns say so.
-    (table,) = _rows(await asyncio.to_thread(_get, crds, namespace, "rt"))
+    (table,) = kubectl_table(await asyncio.to_thread(_get, crds, namespace, "rt"))
     assert (table["NAME"], table["ROLES"], table["ACCEPTED"]) == ("agents", "3", "True")
-    (policy,) = _rows(await asyncio.to_thread(_get, crds, namespace, "pp"))
+    (policy,) = kubectl_table(await asyncio.to_thread(_get, crds, namespace, "pp", "-o", "wide"))
     assert (policy["NAME"], policy["ACCEPTED"]) == ("sim-router", "True")
     assert policy["ENDPOINT"].endswith("/v1")
 

@@ -5,19 +5,19 @@ two replicas elect one writer that a standby replaces when it is killed."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from rolegate_cli.controlplane import ControlPlane, installed_binaries, scratch_dir
+from rolegate_cli.controlplane import ControlPlane, free_port
 from rolegate_operator.main import STOP_SECONDS
 from tests.policy.builders import provider, role, role_table
 
-from ..conftest import CRD_DIR
+from ..conftest import CRD_DIR, fresh_control_plane
 from ..waiting import wait_for
 from .conftest import Cluster, OperatorProcess, StartOperator
 from .test_operator_e2e import observed, with_spec
@@ -43,13 +43,8 @@ def stop_seconds(process: OperatorProcess) -> float:
 def own_plane() -> Iterator[ControlPlane]:
     """A control plane of its own, for a test that removes a CRD under a running operator
     (the shared one keeps its CRDs for every other test)."""
-    root = scratch_dir()
-    plane = ControlPlane(bin_dir=installed_binaries(), root=root)
-    try:
-        yield plane.start()
-    finally:
-        plane.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    with fresh_control_plane() as plane:
+        yield plane
 
 
 def test_when_kopf_gives_up_the_process_exits_non_zero_at_once(
@@ -108,6 +103,17 @@ def test_sigterm_stops_it_within_a_second_running_or_cut_off(
     assert took_cut_off < STOP_SECONDS + 2
 
 
+def metrics(port: int) -> dict[str, float]:
+    """The operator's /metrics as `series -> value` (comments left out)."""
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            samples[series] = float(value)
+    return samples
+
+
 def leader_of(processes: list[OperatorProcess], cluster: Cluster) -> OperatorProcess:
     lease = cluster.get("lease", "rolegate-operator")
     holder = lease["spec"].get("holderIdentity") or ""
@@ -126,11 +132,20 @@ def test_two_replicas_have_one_writer_and_a_standby_takes_over(
     cluster.apply(ROUTER)
     cluster.apply(TABLE)
     args = ("--namespace", cluster.namespace, *LEASE, "--lease-retry-seconds", str(LEASE_RETRY))
-    replicas = [start_operator(*args), start_operator(*args)]
+    ports = [free_port(), free_port()]
+    replicas = [start_operator(*args, "--metrics-port", str(port)) for port in ports]
     wait_for(lambda: observed(cluster, "rt", "roles", "True", 1), "accepted", alive=replicas)
     leader = wait_for(lambda: leader_of(replicas, cluster), "a leader")
     (standby,) = [p for p in replicas if p is not leader]
     wait_for(lambda: "standby pass done" in standby.log(), "the standby's first compile")
+    # Each says which it is on /metrics, and only the leader counts passes it wrote.
+    scraped = {p: metrics(port) for p, port in zip(replicas, ports, strict=True)}
+    assert scraped[leader]["rolegate_operator_leader"] == 1
+    assert scraped[standby]["rolegate_operator_leader"] == 0
+    assert scraped[leader]['rolegate_operator_reconciles_total{result="ok"}'] >= 1
+    assert 'rolegate_operator_reconciles_total{result="ok"}' not in scraped[standby]
+    namespace_series = f'rolegate_operator_watched_namespace{{namespace="{cluster.namespace}"}}'
+    assert scraped[standby][namespace_series] == 1
 
     # A rejection: one status write and one Warning Event, from the leader alone.
     cluster.apply(with_spec(TABLE, roles=[role("agent", models=["nope"])]))
@@ -157,3 +172,24 @@ def test_two_replicas_have_one_writer_and_a_standby_takes_over(
         f"{served:.2f} s after"
     )
     assert took_over <= LEASE_SECONDS + LEASE_RETRY + 1.5  # + one Lease round trip, loaded
+
+
+def test_a_resource_outside_the_watched_namespaces_gets_no_status_and_metrics_say_why(
+    cluster: Cluster, start_operator: StartOperator
+) -> None:
+    elsewhere = f"{cluster.namespace}-x"
+    cluster.plane.kubectl("create", "namespace", elsewhere)
+    stray = {**TABLE, "metadata": {**TABLE["metadata"], "namespace": elsewhere}}
+    cluster.plane.kubectl("apply", "-f", "-", input=json.dumps(stray))
+    cluster.apply(ROUTER)
+    cluster.apply(TABLE)
+    port = free_port()
+    operator = start_operator("--namespace", cluster.namespace, "--metrics-port", str(port))
+    wait_for(lambda: observed(cluster, "rt", "roles", "True", 1), "accepted", alive=[operator])
+    # The watched one has its status; the stray one has none, and never will.
+    found = json.loads(
+        cluster.plane.kubectl("-n", elsewhere, "get", "rt", "roles", "-o", "json").stdout
+    )
+    assert "status" not in found
+    watched = {series for series in metrics(port) if series.startswith("rolegate_operator_watched")}
+    assert watched == {f'rolegate_operator_watched_namespace{{namespace="{cluster.namespace}"}}'}

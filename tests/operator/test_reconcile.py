@@ -149,7 +149,9 @@ def test_a_table_is_judged_against_a_broken_policys_last_good_version() -> None:
 
     router = result.outcomes[key_of(ROUTER)]
     assert router.status.accepted.reason == "InvalidSpec"
-    assert "spec.endpoint: must not use port 0" in router.status.accepted.message
+    assert "spec.endpoint: must have no port or a port from 1 to 65535" in (
+        router.status.accepted.message
+    )
     assert router.served_generation == 1
     table = result.outcomes[key_of(AGENT_TABLE)]
     assert table.accepted

@@ -33,6 +33,7 @@ from rolegate_policy.crds import (
     render_crds,
     structural_schema,
 )
+from rolegate_policy.endpoint import ENDPOINT_RULES
 from rolegate_policy.model import ProviderPolicySpec, RoleTableSpec, derived_default, parse_spec
 
 CRD_DIR = Path(__file__).parents[2] / "deploy" / "crds"
@@ -106,12 +107,23 @@ def test_crd_names_scope_versions_and_columns(resource: Resource) -> None:
     root = version["schema"]["openAPIV3Schema"]
     assert root["required"] == ["spec"]
     assert root["description"].startswith(resource.kind)
-    columns = [column["name"] for column in version["additionalPrinterColumns"]]
+    printer = version["additionalPrinterColumns"]
+    shown = [column["name"] for column in printer if column.get("priority", 0) == 0]
+    wide = [column["name"] for column in printer if column.get("priority", 0) == 1]
+    assert len(shown) + len(wide) == len(printer)
     expected = {
-        "RoleTable": ["Roles", "Rulings", "Accepted", "Age"],
-        "ProviderPolicy": ["Endpoint", "Accepted", "Tripped", "Scope", "Reason", "Age"],
+        "RoleTable": (
+            ["Roles", "Rulings", "Accepted", "Reason", "Programmed", "Age"],
+            ["Generation", "Observed", "Message"],
+        ),
+        "ProviderPolicy": (
+            ["Accepted", "Programmed", "Tripped", "Scope", "Reason", "Age"],
+            ["Endpoint", "Secrets", "Generation", "Observed"],
+        ),
     }
-    assert columns == expected[resource.kind]
+    assert (shown, wide) == expected[resource.kind]
+    # `-o wide` adds its columns after the others (kubectl keeps the declared order).
+    assert [column["name"] for column in printer] == shown + wide
     for column in version["additionalPrinterColumns"]:
         # Every column points at a field the schema declares (or at a condition list).
         path = re.sub(r"\[\?\(.*\)\]\.", "[].", column["jsonPath"]).split(".")[1:]
@@ -376,8 +388,6 @@ def _assert_model_agrees(model: type[BaseModel], node: dict[str, Any], at: str) 
         extra_given = field.json_schema_extra
         field_extra = {} if callable(extra_given) else dict(extra_given or {})
         metadata = list(field.metadata)
-        if "pattern" in field_extra:  # a schema-only pattern: the model's validator enforces it
-            metadata.append(StringConstraints(pattern=str(field_extra.pop("pattern"))))
         for key, value in field_extra.items():
             assert key.startswith("x-kubernetes-"), f"{path}: {key}"
             assert child[key] == value, f"{path}: {key}"
@@ -444,3 +454,23 @@ def test_provider_policy_defaults_fill_every_nested_setting() -> None:
     assert spec.breaker.max_cooldown_seconds == 30
     assert defaulted["dialect"] == "OpenAI"
     assert set(defaulted["timeouts"]) == {"connectSeconds", "idleSeconds"}
+
+
+# The endpoint: CEL rules, never a pattern ------------------------------------------------
+
+
+def test_the_endpoint_is_judged_by_cel_rules_that_never_quote_it() -> None:
+    spec = openapi(BY_KIND["ProviderPolicy"])["properties"]["spec"]
+    endpoint = spec["properties"]["endpoint"]
+    # A failed `pattern` makes the API server quote the value; a CEL message is fixed text.
+    assert "pattern" not in endpoint
+    rules = endpoint["x-kubernetes-validations"]
+    assert [rule["message"] for rule in rules] == [rule.message for rule in ENDPOINT_RULES]
+    # Each rule is in force only once the earlier ones hold: one message per mistake.
+    for index, rule in enumerate(rules[1:], start=1):
+        earlier = " && ".join(r.cel for r in ENDPOINT_RULES[:index])
+        assert rule["rule"] == f"!({earlier}) || ({ENDPOINT_RULES[index].cel})"
+    for resource in RESOURCES:
+        for path, node in nodes(openapi(resource)):
+            for rule in node.get("x-kubernetes-validations", []):
+                assert "messageExpression" not in rule, f"{path}: a message must never quote"
