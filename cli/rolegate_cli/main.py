@@ -399,12 +399,12 @@ def _run_operator(args: argparse.Namespace) -> int:
     from rolegate_operator.controller import Options
     from rolegate_operator.kube import load_configuration
     from rolegate_operator.leader import ElectionOptions, replica_identity
+    from rolegate_operator.lifecycle import exit_now
     from rolegate_operator.main import (
         CannotStart,
         Endpoints,
         KopfStopped,
         LoopCrashed,
-        exit_now,
         run_operator,
     )
 

@@ -1,9 +1,11 @@
 """The kopf wiring: thin handlers that feed the store, and the settings kopf runs with.
 
 Everything here only connects kopf to plain modules: `store` (what is watched),
-`controller` (the debounced compile loop), `reconcile` / `conditions` (pure logic) and
-`kube` (the writes). Handlers are registered on this module's own `REGISTRY` with
-explicit ids; `run_operator` runs kopf in-process with it (`rolegate operator`).
+`controller` (the debounced compile loop), `reports_loop` (what the proxy pods report),
+`leader` (one writer among replicas), `reconcile` / `conditions` / `tripped` / `fleet`
+(pure logic), `kube` (the writes) and `lifecycle` (signals and stopping). Handlers are
+registered on this module's own `REGISTRY` with explicit ids; `run_operator` runs kopf
+in-process with it beside the elector and the metrics endpoint (`rolegate operator`).
 
 Watching uses `@kopf.on.event` only: kopf then keeps no progress or diff-base
 annotations and adds no finalizers on users' resources. The storages and the finalizer
@@ -16,14 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import signal
-import sys
-import threading
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import kopf
 from kubernetes import client
@@ -31,6 +28,7 @@ from kubernetes import client
 from rolegate_operator.controller import Controller, Options, utc_now
 from rolegate_operator.kube import Kube, connection_info, describe_error
 from rolegate_operator.leader import ElectionOptions, Elector, Leadership, always_leading
+from rolegate_operator.lifecycle import RELEASE_SECONDS, STOP_SECONDS, Outcome, run_beside_signals
 from rolegate_operator.metrics import OperatorMetrics
 from rolegate_operator.recorder import EventRecorder
 from rolegate_operator.reports_loop import ReportsLoop
@@ -49,10 +47,6 @@ WATCH_CONNECT_TIMEOUT = 10.0
 WATCH_INACTIVITY_TIMEOUT = 75.0
 # The longest pause between two attempts of a failed API request (kopf's watches included).
 WATCH_RETRY_CAP: Final = 5.0
-# SIGTERM to exit, in every state (docs/operator.md promises a second).
-STOP_SECONDS: Final = 0.8
-# Of those, at most this long to hand the Lease over.
-RELEASE_SECONDS: Final = 0.4
 
 log = logging.getLogger("rolegate.operator")
 
@@ -279,62 +273,15 @@ def run_operator(
     )
     elector = Elector(election, kube, leadership) if election is not None else None
     try:
-        outcome = _run_beside_signals(runtime, _supervise(runtime, endpoints, elector, metrics))
+        outcome = run_beside_signals(
+            runtime.stopping, _supervise(runtime, endpoints, elector, metrics)
+        )
     finally:
         kube.close()
     if outcome is Outcome.KOPF_STOPPED:
         raise KopfStopped("kopf stopped on its own; exiting so the pod restarts")
     if runtime.crash is not None:
         raise LoopCrashed(f"the compile loop crashed: {runtime.crash!r}") from runtime.crash
-
-
-class Outcome(StrEnum):
-    ASKED = "asked"  # SIGINT/SIGTERM
-    CRASHED = "crashed"  # a loop of ours died
-    KOPF_STOPPED = "kopf-stopped"
-
-
-def _run_beside_signals(runtime: Runtime, main: Coroutine[Any, Any, Outcome]) -> Outcome:
-    """Run `main` on an event loop in a thread of its own while this (the main) thread
-    takes the signals and keeps time.
-
-    kopf installs SIGINT/SIGTERM handlers of its own when it runs in the main thread, and
-    then stops in its own time (it waits up to 10 s for its tasks); in another thread it
-    leaves signals alone. Here a signal asks the loop to stop, and the process leaves
-    `STOP_SECONDS` later at the latest, even if the loop is stuck."""
-    asked = threading.Event()
-    loops: list[asyncio.AbstractEventLoop] = []
-    results: list[Outcome] = []
-    errors: list[BaseException] = []
-
-    def serve() -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        loops.append(loop)
-        if asked.is_set():
-            runtime.stopping.set()
-        try:
-            results.append(loop.run_until_complete(main))
-        except BaseException as error:  # handed to the main thread below
-            errors.append(error)
-
-    def on_signal(number: int, _frame: object) -> None:
-        log.info("signal received signal=%s", signal.Signals(number).name)
-        asked.set()
-        for loop in loops:
-            loop.call_soon_threadsafe(runtime.stopping.set)
-
-    for number in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(number, on_signal)
-    thread = threading.Thread(target=serve, name="rolegate-operator", daemon=True)
-    thread.start()
-    while thread.is_alive():
-        if asked.wait(0.1):
-            thread.join(STOP_SECONDS + 0.1)
-            break
-    if errors:
-        raise errors[0]
-    return results[0] if results else Outcome.ASKED
 
 
 async def _supervise(
@@ -397,12 +344,3 @@ async def _supervise(
             await asyncio.wait_for(metrics_runner.cleanup(), max(0.05, deadline - loop.time()))
     log.info("operator stopped reason=%s", outcome.value)
     return outcome
-
-
-def exit_now(code: int) -> NoReturn:
-    """Leave the process at once: worker threads blocked in API calls (each bounded by its
-    own timeout, up to 30 s) must not hold a stopping operator up."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

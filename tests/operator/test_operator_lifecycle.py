@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from rolegate_cli.controlplane import ControlPlane, free_port
-from rolegate_operator.main import STOP_SECONDS
+from rolegate_operator.lifecycle import STOP_SECONDS
 from tests.policy.builders import provider, role, role_table
 
 from ..conftest import CRD_DIR, fresh_control_plane
