@@ -290,11 +290,14 @@ async def _supervise(
     """Run kopf beside the elector and the metrics endpoint; end at a signal, a crash of
     ours, or kopf ending by itself, and be gone within `STOP_SECONDS` in every case."""
     loop = asyncio.get_running_loop()
-    metrics_runner = (
-        await metrics.serve(endpoints.metrics_host, endpoints.metrics_port)
-        if endpoints.metrics_port is not None
-        else None
-    )
+    metrics_runner = None
+    if endpoints.metrics_port is not None:
+        try:
+            metrics_runner = await metrics.serve(endpoints.metrics_host, endpoints.metrics_port)
+        except OSError as error:  # the port is taken, or not ours to bind
+            raise CannotStart(
+                f"cannot serve metrics on port {endpoints.metrics_port}: {error.strerror}"
+            ) from error
     elector_task = (
         asyncio.create_task(elector.run(), name="rolegate leader election") if elector else None
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import uuid
@@ -161,4 +162,18 @@ def test_an_unreachable_api_server_is_reported_not_a_traceback(tmp_path: Path) -
     assert "rolegate operator: cannot list rolegate.dev resources at http://127.0.0.1:" in (
         result.stderr
     )
+    assert "Traceback" not in result.stderr
+
+
+def test_a_metrics_port_already_taken_is_refused_by_name(cluster: Cluster) -> None:
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli(
+            "--namespace", cluster.namespace, "--metrics-port", str(port),
+            "--kubeconfig", str(cluster.plane.kubeconfig),
+        )  # fmt: skip
+    assert result.returncode == 2
+    assert f"rolegate operator: cannot serve metrics on port {port}" in result.stderr
     assert "Traceback" not in result.stderr
