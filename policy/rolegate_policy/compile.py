@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from rolegate_policy import GROUP, VERSION
 from rolegate_policy.config import (
+    CompiledGrant,
     CompiledMachine,
     CompiledModel,
     CompiledProvider,
@@ -45,10 +46,12 @@ from rolegate_policy.enums import (
 from rolegate_policy.field_errors import FieldError, shorten, translate
 from rolegate_policy.manifests import LoadResult, Manifest, load_manifest_dir
 from rolegate_policy.model import (
+    ACCESS_GRANT_KIND,
     DNS_SUBDOMAIN_PATTERN,
     PROVIDER_POLICY_KIND,
     ROLE_TABLE_KIND,
     SPEC_MODELS,
+    AccessGrantSpec,
     BreakerSpec,
     DegradedOutputSpec,
     ProviderPolicySpec,
@@ -91,6 +94,7 @@ def compile_manifests(manifests: Sequence[Manifest]) -> CompileResult:
     ignored: list[IgnoredDocument] = []
     providers_in: list[Manifest] = []
     tables_in: list[Manifest] = []
+    grants_in: list[Manifest] = []
     for manifest in ordered:
         if manifest.group != GROUP:
             ignored.append(
@@ -107,6 +111,8 @@ def compile_manifests(manifests: Sequence[Manifest]) -> CompileResult:
             verdicts.append(_rejected(manifest, AcceptedReason.INVALID_MANIFEST, envelope_errors))
         elif manifest.kind == PROVIDER_POLICY_KIND:
             providers_in.append(manifest)
+        elif manifest.kind == ACCESS_GRANT_KIND:
+            grants_in.append(manifest)
         else:
             tables_in.append(manifest)
 
@@ -116,10 +122,14 @@ def compile_manifests(manifests: Sequence[Manifest]) -> CompileResult:
     roles = _RoleStage(providers)
     for manifest in tables_in:
         verdicts.append(roles.add(manifest))
+    grants = _GrantStage({role.name for role in roles.compiled})
+    for manifest in grants_in:
+        verdicts.append(grants.add(manifest))
 
     config = ProxyConfig(
         providers=tuple(sorted(providers.compiled.values(), key=lambda p: p.name)),
         roles=tuple(sorted(roles.compiled, key=lambda r: r.name)),
+        grants=tuple(sorted(grants.compiled, key=lambda g: g.name)),
     )
     return CompileResult(
         config=with_hash(config),
@@ -196,7 +206,7 @@ def _envelope_errors(manifest: Manifest) -> list[FieldError]:
                 field="kind",
                 message=(
                     f"{shorten(manifest.kind)} is not a {GROUP} kind; use "
-                    f"{ROLE_TABLE_KIND} or {PROVIDER_POLICY_KIND}"
+                    f"{ROLE_TABLE_KIND}, {PROVIDER_POLICY_KIND} or {ACCESS_GRANT_KIND}"
                 ),
             )
         )
@@ -215,12 +225,12 @@ def _envelope_errors(manifest: Manifest) -> list[FieldError]:
 
 def _parse(
     manifest: Manifest,
-) -> tuple[ProviderPolicySpec | RoleTableSpec | None, list[FieldError]]:
+) -> tuple[ProviderPolicySpec | RoleTableSpec | AccessGrantSpec | None, list[FieldError]]:
     try:
         spec = parse_spec(manifest.kind, manifest.spec)
     except ValidationError as error:
         return None, translate(error, SPEC_MODELS[manifest.kind], "spec")
-    assert isinstance(spec, ProviderPolicySpec | RoleTableSpec)
+    assert isinstance(spec, ProviderPolicySpec | RoleTableSpec | AccessGrantSpec)
     return spec, []
 
 
@@ -513,3 +523,73 @@ def _no_served_model(index: int, role: RoleSpec) -> FieldError:
 
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
+# Access grants ------------------------------------------------------------------------
+
+
+@dataclass
+class _GrantStage:
+    """AccessGrants, judged against the roles compiled: a grant may name only roles an
+    accepted RoleTable defines (a typo would silently grant nothing)."""
+
+    roles: set[str]
+    compiled: list[CompiledGrant] = field(default_factory=list)
+
+    def add(self, manifest: Manifest) -> ResourceVerdict:
+        spec, errors = _parse(manifest)
+        if spec is None:
+            return _rejected(manifest, AcceptedReason.INVALID_SPEC, errors)
+        assert isinstance(spec, AccessGrantSpec)
+        unknown = [
+            FieldError(
+                field=f"spec.roles[{index}]",
+                message=(
+                    f"role {role} is not defined by any accepted RoleTable; fix the name, or "
+                    "define the role first"
+                ),
+            )
+            for index, role in enumerate(spec.roles)
+            if role not in self.roles
+        ]
+        if unknown:
+            return _rejected(manifest, AcceptedReason.UNKNOWN_ROLE, unknown)
+        namespace = manifest.namespace or ""
+        subjects = spec.subjects
+        self.compiled.append(
+            CompiledGrant(
+                name=f"{namespace}/{manifest.name}",
+                source=manifest.source,
+                roles=tuple(sorted(set(spec.roles))),
+                service_accounts=tuple(
+                    sorted(
+                        {
+                            f"{s.service_account.namespace or namespace}/{s.service_account.name}"
+                            for s in subjects
+                            if s.service_account is not None
+                        }
+                    )
+                ),
+                namespaces=tuple(sorted({s.namespace for s in subjects if s.namespace})),
+                api_keys=tuple(
+                    sorted(
+                        {
+                            SecretRef(name=s.api_key_secret_ref.name, key=s.api_key_secret_ref.key)
+                            for s in subjects
+                            if s.api_key_secret_ref is not None
+                        },
+                        key=lambda ref: (ref.name, ref.key),
+                    )
+                ),
+                anonymous=any(s.anonymous for s in subjects),
+                admin=spec.admin,
+                limits=spec.limits,
+            )
+        )
+        summary = f"{_count(len(subjects), 'subject')} granted {', '.join(spec.roles)}"
+        return _verdict(
+            manifest,
+            accepted=True,
+            reason=AcceptedReason.ACCEPTED,
+            message=_accepted_message(summary, ()),
+        )

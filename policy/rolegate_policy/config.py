@@ -14,7 +14,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from rolegate_policy.enums import Delivery, Dialect, Ruling, Visibility
-from rolegate_policy.model import BreakerSpec, DegradedOutputSpec, RetrySpec, TimeoutsSpec
+from rolegate_policy.model import (
+    BreakerSpec,
+    DegradedOutputSpec,
+    LimitsSpec,
+    RetrySpec,
+    TimeoutsSpec,
+)
 
 CONFIG_FORMAT_VERSION = 1
 
@@ -82,10 +88,27 @@ class CompiledRole(Frozen):
     retry: RetrySpec = RetrySpec()
 
 
+class CompiledGrant(Frozen):
+    """Who may use which roles (an AccessGrant), with its subjects sorted by kind."""
+
+    name: str  # namespace/name, unique
+    source: str
+    roles: tuple[str, ...]
+    # `namespace/name` of each ServiceAccount (its namespace defaulted to the grant's).
+    service_accounts: tuple[str, ...] = ()
+    # Namespaces whose every ServiceAccount the grant is for.
+    namespaces: tuple[str, ...] = ()
+    api_keys: tuple[SecretRef, ...] = ()
+    anonymous: bool = False
+    admin: bool = False
+    limits: LimitsSpec = LimitsSpec()
+
+
 class ProxyConfig(Frozen):
     format_version: int = CONFIG_FORMAT_VERSION
     roles: tuple[CompiledRole, ...] = ()
     providers: tuple[CompiledProvider, ...] = ()
+    grants: tuple[CompiledGrant, ...] = ()
     hash: str = Field(default="", description="sha256 of the canonical JSON without this field")
 
     def role(self, name: str) -> CompiledRole | None:

@@ -36,12 +36,14 @@ from pydantic_core import core_schema
 
 from rolegate_policy import GROUP, VERSION
 from rolegate_policy.model import (
+    ACCESS_GRANT_KIND,
     PROVIDER_POLICY_KIND,
     ROLE_TABLE_KIND,
+    AccessGrantSpec,
     ProviderPolicySpec,
     RoleTableSpec,
 )
-from rolegate_policy.status import ProviderPolicyStatus, RoleTableStatus
+from rolegate_policy.status import AccessGrantStatus, ProviderPolicyStatus, RoleTableStatus
 
 # The resources ----------------------------------------------------------------------
 
@@ -219,6 +221,45 @@ RESOURCES: Final = (
                 "description": "Whether the API key Secret it references resolves.",
                 "priority": 1,
             },
+            *_GENERATION_COLUMNS,
+        ),
+    ),
+    Resource(
+        kind=ACCESS_GRANT_KIND,
+        plural="accessgrants",
+        singular="accessgrant",
+        short_names=("ag",),
+        description=(
+            "AccessGrant says which callers may use which roles of the rolegate proxy, and "
+            "at what rate: callers that present a Kubernetes ServiceAccount token (of one "
+            "account, or of any account of a namespace), an API key kept in a Secret, or "
+            "(only when a grant says so) no credential at all. A request is served only "
+            "when some grant admits its caller for the role it names."
+        ),
+        spec=AccessGrantSpec,
+        status=AccessGrantStatus,
+        columns=(
+            {
+                "name": "Roles",
+                "type": "string",
+                "jsonPath": ".spec.roles",
+                "description": "The roles its callers may select.",
+            },
+            {
+                "name": "Admin",
+                "type": "boolean",
+                "jsonPath": ".spec.admin",
+                "description": "Whether its callers may use the admin endpoints.",
+            },
+            _ACCEPTED_COLUMN,
+            {
+                "name": "Reason",
+                "type": "string",
+                "jsonPath": '.status.conditions[?(@.type=="Accepted")].reason',
+                "description": "Why it is accepted or not.",
+            },
+            _PROGRAMMED_COLUMN,
+            _AGE_COLUMN,
             *_GENERATION_COLUMNS,
         ),
     ),

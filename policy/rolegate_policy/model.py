@@ -33,6 +33,7 @@ from rolegate_policy.field_errors import Loc, SpecRuleError, register_pattern_hi
 
 ROLE_TABLE_KIND: Final = "RoleTable"
 PROVIDER_POLICY_KIND: Final = "ProviderPolicy"
+ACCESS_GRANT_KIND: Final = "AccessGrant"
 
 ROLE_NAME_PATTERN: Final = register_pattern_hint(
     r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$",
@@ -48,6 +49,11 @@ DNS_SUBDOMAIN_PATTERN: Final = register_pattern_hint(
     r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
     "a DNS subdomain: lower-case letters, digits, '-' and '.', starting and ending "
     "with a letter or digit",
+)
+DNS_LABEL_PATTERN: Final = register_pattern_hint(
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$",
+    "a DNS label (a namespace name): lower-case letters, digits and '-', starting and "
+    "ending with a letter or digit",
 )
 SECRET_KEY_PATTERN: Final = register_pattern_hint(
     r"^[-._a-zA-Z0-9]+$", "letters, digits, '-', '.' or '_'"
@@ -748,9 +754,149 @@ class ProviderPolicySpec(SpecModel):
         return self
 
 
+# AccessGrant --------------------------------------------------------------------------
+
+RoleName = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=ROLE_NAME_PATTERN)]
+
+
+class ServiceAccountRef(SpecModel):
+    """A Kubernetes ServiceAccount, the identity of the caller pods that run as it."""
+
+    namespace: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        pattern=DNS_LABEL_PATTERN,
+        description="Its namespace; default: the AccessGrant's own.",
+    )
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description="Its name.",
+    )
+
+
+class SubjectSpec(SpecModel):
+    """Who a grant is for: exactly one of the four fields."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                # `namespace` is a CEL keyword: the API server spells the field
+                # `__namespace__` inside rules.
+                _cel(
+                    "[has(self.serviceAccount), has(self.__namespace__), "
+                    "has(self.apiKeySecretRef), has(self.anonymous) && self.anonymous]"
+                    ".filter(x, x).size() == 1",
+                    "each of `subjects[]` must name exactly one of `serviceAccount`, "
+                    "`namespace`, `apiKeySecretRef` or `anonymous: true`",
+                )
+            ]
+        }
+    )
+
+    service_account: ServiceAccountRef | None = Field(
+        default=None,
+        description=(
+            "Callers that present a token of this ServiceAccount (audience `rolegate`), "
+            "verified with a TokenReview."
+        ),
+    )
+    namespace: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        pattern=DNS_LABEL_PATTERN,
+        description="Callers that present a token of any ServiceAccount of this namespace.",
+    )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description=(
+            "Callers outside the cluster that present this key as `Authorization: Bearer`; "
+            "the key lives in a Secret (standalone: a file or an environment variable, as "
+            "the providers' keys do) and is held only as a hash."
+        ),
+    )
+    anonymous: bool | None = Field(
+        default=None,
+        description=(
+            "`true`: callers that present no credential at all. Never implied: without an "
+            "anonymous subject, a request without credentials is refused (401)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> SubjectSpec:
+        named = [
+            self.service_account is not None,
+            self.namespace is not None,
+            self.api_key_secret_ref is not None,
+            self.anonymous is True,
+        ]
+        if sum(named) != 1:
+            raise ValueError(
+                "a subject must name exactly one of serviceAccount, namespace, "
+                "apiKeySecretRef or anonymous: true"
+            )
+        return self
+
+
+class LimitsSpec(SpecModel):
+    """How much a grant's callers may use, counted per proxy pod (docs/access.md)."""
+
+    requests_per_minute: int | None = Field(
+        default=None, ge=1, le=10_000_000, description="Requests per rolling minute."
+    )
+    tokens_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000_000,
+        description="Input plus output tokens per rolling minute, from each answer's usage.",
+    )
+    cost_per_day: float | None = Field(
+        default=None,
+        gt=0,
+        le=1_000_000,
+        description=(
+            "Spend per UTC day, in the currency of the machines' published prices "
+            "(`priceInputPerMTok`, `priceOutputPerMTok`)."
+        ),
+    )
+
+
+class AccessGrantSpec(SpecModel):
+    """Which callers may use which roles, at what rate."""
+
+    subjects: list[SubjectSpec] = Field(
+        min_length=1,
+        max_length=256,
+        json_schema_extra={"x-kubernetes-list-type": "atomic"},
+        description="The callers this grant is for.",
+    )
+    roles: list[RoleName] = Field(
+        min_length=1,
+        max_length=256,
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description="The roles (as in a RoleTable) its callers may select as `model`.",
+    )
+    admin: bool = Field(
+        default=False,
+        description=(
+            "Its callers may also use the admin endpoints: `/v1/rolegate/decisions`, "
+            "`/v1/rolegate/state` and `/v1/feedback`."
+        ),
+    )
+    limits: LimitsSpec = Field(
+        default_factory=LimitsSpec,
+        description="Per-pod limits on its callers together; none by default.",
+    )
+
+
 SPEC_MODELS: Final[dict[str, type[SpecModel]]] = {
     ROLE_TABLE_KIND: RoleTableSpec,
     PROVIDER_POLICY_KIND: ProviderPolicySpec,
+    ACCESS_GRANT_KIND: AccessGrantSpec,
 }
 
 

@@ -404,3 +404,25 @@ class ProviderPolicyStatus(StatusModel):
             "that shuts down removes its own entry; reports of pods that vanish expire."
         ),
     )
+
+
+class AccessGrantStatus(StatusModel):
+    """The state of the AccessGrant as the operator last observed it. Written by the
+    operator."""
+
+    observed_generation: int | None = Field(
+        default=None,
+        ge=0,
+        description="The `metadata.generation` of the spec this status describes.",
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=MAX_CONDITIONS,
+        json_schema_extra=_CONDITIONS_LIST,
+        description=(
+            "Conditions of the AccessGrant. `Accepted` says whether the operator compiled "
+            "it into the proxy configuration (a grant naming a role no accepted RoleTable "
+            "defines is refused with `UnknownRole`); `Programmed` whether every proxy pod "
+            "serves it."
+        ),
+    )

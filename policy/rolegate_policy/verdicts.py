@@ -35,6 +35,8 @@ class AcceptedReason(StrEnum):
     DUPLICATE_NAME = "DuplicateName"
     # A role none of whose models is served by an accepted ProviderPolicy.
     NO_SERVED_MODEL = "NoServedModel"
+    # An AccessGrant naming a role no accepted RoleTable defines.
+    UNKNOWN_ROLE = "UnknownRole"
 
 
 class _Record(BaseModel):

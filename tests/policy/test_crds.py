@@ -60,6 +60,7 @@ def nodes(schema: dict[str, Any], path: str = "") -> Iterator[tuple[str, dict[st
 def test_committed_crds_are_generated_from_the_model() -> None:
     rendered = render_crds()
     assert sorted(rendered) == [
+        "rolegate.dev_accessgrants.yaml",
         "rolegate.dev_providerpolicies.yaml",
         "rolegate.dev_roletables.yaml",
     ]
@@ -119,6 +120,10 @@ def test_crd_names_scope_versions_and_columns(resource: Resource) -> None:
         "ProviderPolicy": (
             ["Accepted", "Programmed", "Tripped", "Scope", "Reason", "Age"],
             ["Endpoint", "Secrets", "Generation", "Observed"],
+        ),
+        "AccessGrant": (
+            ["Roles", "Admin", "Accepted", "Reason", "Programmed", "Age"],
+            ["Generation", "Observed"],
         ),
     }
     assert (shown, wide) == expected[resource.kind]
@@ -200,7 +205,7 @@ def test_cel_rules_name_their_field_in_api_convention_style(resource: Resource) 
                 assert any(name.startswith(target) for name in named), (path, message)
             else:
                 assert path.rsplit(".", 1)[-1] in named, (path, message)
-    assert rules >= {"RoleTable": 0, "ProviderPolicy": 5}[resource.kind]
+    assert rules >= {"RoleTable": 0, "ProviderPolicy": 5, "AccessGrant": 1}[resource.kind]
 
 
 def test_descriptions_read_as_paragraphs() -> None:
