@@ -550,7 +550,7 @@ class _GrantStage:
                 ),
             )
             for index, role in enumerate(spec.roles)
-            if role not in self.roles
+            if role != "*" and role not in self.roles
         ]
         if unknown:
             return _rejected(manifest, AcceptedReason.UNKNOWN_ROLE, unknown)

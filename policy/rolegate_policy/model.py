@@ -756,7 +756,14 @@ class ProviderPolicySpec(SpecModel):
 
 # AccessGrant --------------------------------------------------------------------------
 
-RoleName = Annotated[str, StringConstraints(min_length=1, max_length=63, pattern=ROLE_NAME_PATTERN)]
+# A granted role: a role's name, or `*` for every role.
+GRANTED_ROLE_PATTERN: Final = register_pattern_hint(
+    r"^(\*|[a-z0-9]([-a-z0-9._]*[a-z0-9])?)$",
+    "a role's name (lower-case letters, digits, '-', '.' or '_'), or * for every role",
+)
+GrantedRole = Annotated[
+    str, StringConstraints(min_length=1, max_length=63, pattern=GRANTED_ROLE_PATTERN)
+]
 
 
 class ServiceAccountRef(SpecModel):
@@ -874,11 +881,14 @@ class AccessGrantSpec(SpecModel):
         json_schema_extra={"x-kubernetes-list-type": "atomic"},
         description="The callers this grant is for.",
     )
-    roles: list[RoleName] = Field(
+    roles: list[GrantedRole] = Field(
         min_length=1,
         max_length=256,
         json_schema_extra={"x-kubernetes-list-type": "set"},
-        description="The roles (as in a RoleTable) its callers may select as `model`.",
+        description=(
+            "The roles (as in a RoleTable) its callers may select as `model`; `*` for every "
+            "role, present and future."
+        ),
     )
     admin: bool = Field(
         default=False,

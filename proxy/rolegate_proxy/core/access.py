@@ -1,0 +1,113 @@
+"""Who may use which role: the compiled AccessGrants as the request path asks them.
+
+A caller is identified at the edge (a verified ServiceAccount token, an API key matched
+by its hash, or nobody) as a `Subject`; `Grants` answers which grants are for it, whether
+one admits it to a role, and whether it may use the admin endpoints. Pure: no I/O, no
+clock; built once per configuration, so a request costs a few dictionary lookups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+from rolegate_policy.config import CompiledGrant, SecretRef
+
+# A grant's role list may say "every role" (for anonymous local use, and admin grants).
+EVERY_ROLE: Final = "*"
+
+
+class SubjectKind(StrEnum):
+    SERVICE_ACCOUNT = "ServiceAccount"
+    API_KEY = "ApiKey"
+    ANONYMOUS = "Anonymous"
+
+
+@dataclass(frozen=True)
+class Subject:
+    """A caller as identified: never the credential itself."""
+
+    kind: SubjectKind
+    # `namespace/name` of a ServiceAccount; `secret/key` of an API key; "" if anonymous.
+    name: str = ""
+
+    @classmethod
+    def service_account(cls, namespace: str, name: str) -> Subject:
+        return cls(SubjectKind.SERVICE_ACCOUNT, f"{namespace}/{name}")
+
+    @classmethod
+    def api_key(cls, ref: SecretRef) -> Subject:
+        return cls(SubjectKind.API_KEY, f"{ref.name}/{ref.key}")
+
+    @property
+    def namespace(self) -> str | None:
+        if self.kind is not SubjectKind.SERVICE_ACCOUNT:
+            return None
+        return self.name.partition("/")[0]
+
+    def describe(self) -> str:
+        """How an error message names the caller (the caller's own identity only)."""
+        if self.kind is SubjectKind.SERVICE_ACCOUNT:
+            return f"ServiceAccount {self.name}"
+        if self.kind is SubjectKind.API_KEY:
+            secret, _, key = self.name.partition("/")
+            return f"the API key of Secret {secret}, key {key}"
+        return "an anonymous caller"
+
+
+ANONYMOUS: Final = Subject(SubjectKind.ANONYMOUS)
+
+
+class Grants:
+    """The compiled grants, indexed by the subjects they name."""
+
+    def __init__(self, grants: Sequence[CompiledGrant]) -> None:
+        self._by_account: dict[str, list[CompiledGrant]] = {}
+        self._by_namespace: dict[str, list[CompiledGrant]] = {}
+        self._by_key: dict[str, list[CompiledGrant]] = {}
+        self._anonymous: list[CompiledGrant] = []
+        for grant in grants:
+            for account in grant.service_accounts:
+                self._by_account.setdefault(account, []).append(grant)
+            for namespace in grant.namespaces:
+                self._by_namespace.setdefault(namespace, []).append(grant)
+            for ref in grant.api_keys:
+                self._by_key.setdefault(f"{ref.name}/{ref.key}", []).append(grant)
+            if grant.anonymous:
+                self._anonymous.append(grant)
+        self.api_keys: tuple[SecretRef, ...] = tuple(
+            sorted({ref for grant in grants for ref in grant.api_keys}, key=_ref_order)
+        )
+
+    def of(self, subject: Subject) -> tuple[CompiledGrant, ...]:
+        """Every grant for `subject`, in name order."""
+        if subject.kind is SubjectKind.ANONYMOUS:
+            found = list(self._anonymous)
+        elif subject.kind is SubjectKind.API_KEY:
+            found = list(self._by_key.get(subject.name, ()))
+        else:
+            found = [
+                *self._by_account.get(subject.name, ()),
+                *self._by_namespace.get(subject.namespace or "", ()),
+            ]
+        return tuple(sorted({grant.name: grant for grant in found}.values(), key=_by_name))
+
+    def admitting(self, subject: Subject, role: str) -> CompiledGrant | None:
+        """The first grant (in name order) that admits `subject` to `role`, if any."""
+        for grant in self.of(subject):
+            if role in grant.roles or EVERY_ROLE in grant.roles:
+                return grant
+        return None
+
+    def admin(self, subject: Subject) -> bool:
+        return any(grant.admin for grant in self.of(subject))
+
+
+def _ref_order(ref: SecretRef) -> tuple[str, str]:
+    return (ref.name, ref.key)
+
+
+def _by_name(grant: CompiledGrant) -> str:
+    return grant.name
