@@ -189,7 +189,22 @@ async def outcomes(proxy: RunningProxy, count: int, within: float = 10.0) -> lis
     return await eventually(enough, what=f"{count} outcomes in the decision log", within=within)
 
 
+def open_access() -> dict[str, Any]:
+    """What a local setup declares to let anyone call every role: an AccessGrant with an
+    explicit anonymous subject (without one, a caller with no credential is refused)."""
+    return {
+        "apiVersion": "rolegate.dev/v1alpha1",
+        "kind": "AccessGrant",
+        "metadata": {"name": "open", "namespace": "test"},
+        "spec": {"subjects": [{"anonymous": True}], "roles": ["*"], "admin": True},
+    }
+
+
 def compile_objects(objects: list[dict[str, Any]]) -> ProxyConfig:
+    """The configuration of `objects`; with `open_access()` added when they declare no
+    AccessGrant (the tests of access declare their own)."""
+    if not any(obj.get("kind") == "AccessGrant" for obj in objects):
+        objects = [*objects, open_access()]
     manifests = [manifest_from_object(obj, f"test#{i}") for i, obj in enumerate(objects)]
     result = compile_manifests(manifests)
     rejected = [v for v in result.verdicts if not v.accepted]

@@ -58,6 +58,11 @@ class Subject:
 
 
 ANONYMOUS: Final = Subject(SubjectKind.ANONYMOUS)
+# A caller whose bearer credential is no known API key (nor a token): it has exactly the
+# rights of a caller without one (anonymous grants, which anyone has by omitting the
+# header), so OpenAI clients that always send some key still reach an anonymous grant;
+# when none admits it, it is told its key is unknown.
+UNKNOWN_KEY: Final = Subject(SubjectKind.ANONYMOUS, "unknown-key")
 
 
 class Grants:

@@ -31,9 +31,9 @@ from typing import Any, Final, Protocol
 
 import aiohttp
 
-from rolegate_policy.config import SecretRef
+from rolegate_policy.config import CompiledGrant, SecretRef
 
-from ..core.access import ANONYMOUS, Subject
+from ..core.access import ANONYMOUS, UNKNOWN_KEY, Grants, Subject, SubjectKind
 from ..wire.errors import ProxyError
 from .kube_api import KubeAccess, describe_error
 
@@ -150,7 +150,7 @@ class Authenticator:
         cache: VerdictCache | None = None,
     ) -> None:
         self._api_keys = api_keys
-        self._reviewer = reviewer
+        self.reviewer = reviewer
         self._monotonic = monotonic
         self._ttl = ttl
         self._max_stale = max_stale
@@ -171,10 +171,7 @@ class Authenticator:
         if ref is not None:
             return Subject.api_key(ref)
         if token.count(".") != 2:
-            raise unauthenticated(
-                "The bearer credential is not a known API key (a ServiceAccount token "
-                "would be a JWT); check the key, or ask for one to be granted."
-            )
+            return UNKNOWN_KEY  # refused by `AccessGate.authorize` unless anonymous may
         return await self._service_account(token)
 
     async def _service_account(self, token: str) -> Subject:
@@ -183,7 +180,7 @@ class Authenticator:
         known = self._cache.get(key)
         if known is None or now - known.at >= self._ttl:
             try:
-                subject = await self._reviewer.review(token)
+                subject = await self.reviewer.review(token)
             except ReviewUnavailable:
                 if known is None or now - known.at >= self._max_stale:
                     raise ProxyError(
@@ -251,3 +248,60 @@ class KubeReviewer:
             raise ReviewUnavailable(type(error).__name__) from None
         status = answer.get("status") if isinstance(answer, Mapping) else None
         return subject_of_review(status if isinstance(status, Mapping) else {})
+
+
+class NoCluster:
+    """The reviewer of a proxy outside a cluster (standalone): no API server to ask, so a
+    ServiceAccount token is no credential there."""
+
+    async def review(self, token: str) -> Subject | None:
+        return None
+
+
+class AccessGate:
+    """The request path's two questions: who is calling (`identify`, before the request is
+    read), and may they use this role (`authorize`). Rebuilt, off the request path, on
+    every configuration swap and key refresh."""
+
+    def __init__(self, reviewer: Reviewer, *, monotonic: Callable[[], float]) -> None:
+        self.grants = Grants(())
+        self._api_keys = ApiKeys({})
+        self.authenticator = Authenticator(lambda: self._api_keys, reviewer, monotonic=monotonic)
+
+    def reload(
+        self, grants: Sequence[CompiledGrant], key_for: Callable[[SecretRef], str | None]
+    ) -> None:
+        self.grants = Grants(grants)
+        self._api_keys = known_keys(self.grants.api_keys, key_for)
+
+    def use(self, reviewer: Reviewer) -> None:
+        """Verify ServiceAccount tokens with `reviewer` from now on (the cluster's, once
+        the proxy has a session to the API server)."""
+        self.authenticator.reviewer = reviewer
+
+    async def identify(self, authorization: str | None) -> Subject:
+        return await self.authenticator.subject(authorization)
+
+    def authorize(self, subject: Subject, role: str) -> CompiledGrant:
+        """The grant admitting `subject` to `role`; raises 401 for an anonymous caller no
+        grant admits (without naming any role), 403 for a known one, naming both."""
+        grant = self.grants.admitting(subject, role)
+        if grant is not None:
+            return grant
+        if subject == UNKNOWN_KEY:
+            raise unauthenticated(
+                "The bearer credential is not a known API key (a ServiceAccount token "
+                "would be a JWT); check the key, or ask for one to be granted."
+            )
+        if subject.kind is SubjectKind.ANONYMOUS:
+            raise unauthenticated(
+                "This proxy needs a credential: send `Authorization: Bearer` with a "
+                "ServiceAccount token (audience rolegate) or an API key."
+            )
+        raise ProxyError(
+            403,
+            f"{subject.describe()} is not granted role {role}: an AccessGrant listing it "
+            f"(or its namespace) with role {role} is needed.",
+            error_type="permission_error",
+            code="role_not_granted",
+        )

@@ -64,8 +64,11 @@ class Call:
 
     async def _serve(self) -> web.StreamResponse:
         state = self.state
+        # Who is calling, before anything of the request is read or said about the roles.
+        subject = await state.access.identify(self.request.headers.get(hdrs.AUTHORIZATION))
         body = parse_body(await read_body(self.request, state.settings.max_body_bytes))
         role = choose_role(body, self.request.headers.get(ROLE_HEADER), self.config)
+        state.access.authorize(subject, role.name)
         self.headers["X-Rolegate-Role"] = role.name
         # From here on the outcome names the role, even if the request is then refused.
         self.decision = Decision(

@@ -55,8 +55,10 @@ class KeyStore:
         """Re-read every key the configuration references (blocking; call off the hot path).
         True when a key was found that was not before, or the other way round."""
         keys: dict[SecretRef, KeyLookup] = {}
-        for provider in config.providers:
-            ref = provider.api_key_secret_ref
+        wanted = [provider.api_key_secret_ref for provider in config.providers]
+        # The callers' API keys of the access grants too (held as digests by `callers`).
+        wanted += [ref for grant in config.grants for ref in grant.api_keys]
+        for ref in wanted:
             if ref is not None and ref not in keys:
                 keys[ref] = self._lookup(ref)
         previous, self._keys = self._keys, keys

@@ -30,6 +30,7 @@ from ..core.score_feed import ScoreFeed
 from ..core.verdicts import VerdictLog
 from ..flow.dispatch import Dispatcher
 from ..flow.metrics import ProxyMetrics
+from .callers import AccessGate, NoCluster
 from .configmap_source import ConfigMapSource
 from .credentials import KeyStore
 from .feedback import ServedIndex
@@ -58,6 +59,8 @@ class ProxyState:
     # Told (on the loop, no I/O) when what the pod reports on the ProviderPolicies changes
     # other than by a breaker: a configuration swapped in, a key found or lost.
     report_listeners: list[Callable[[], None]] = field(default_factory=list)
+    # Who may call, from the configuration's AccessGrants and the keys read for them.
+    access: AccessGate = field(init=False)
 
     def __post_init__(self) -> None:
         settings = self.settings
@@ -77,6 +80,8 @@ class ProxyState:
         )
         # The published figures are the ledger's prior (the sheet), reloaded with config.
         self.dispatcher.ledger.load_sheet(self.config)
+        self.access = AccessGate(NoCluster(), monotonic=self.dispatcher.now)
+        self.access.reload(self.config.grants, self.keys.key_for)
         self.outcomes = OutcomeChannel(settings.outcome_buffer)
         self.consumers = [
             ScoreFeed(self.dispatcher.scores, self.dispatcher.now),
@@ -136,6 +141,7 @@ class ProxyState:
         """Re-read the API keys of the configuration served (in a worker thread)."""
         if await asyncio.to_thread(self.keys.refresh, self.config):
             self.report_changed()
+        self.access.reload(self.config.grants, self.keys.key_for)
 
     async def swap_config(self, config: ProxyConfig) -> None:
         """Serve `config` from the next request on; requests in flight keep theirs."""
@@ -145,6 +151,7 @@ class ProxyState:
         await asyncio.to_thread(self.keys.refresh, config)
         previous = self.config
         self.dispatcher.ledger.load_sheet(config)
+        self.access.reload(config.grants, self.keys.key_for)
         self.config = config
         self.metrics.machine_label.configure(config)
         self.metrics.config_hash.labels(config.hash).set(1)
