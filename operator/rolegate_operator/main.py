@@ -169,6 +169,13 @@ async def on_role_table(type: str | None, body: kopf.Body, memo: kopf.Memo, **_:
 
 
 @kopf.on.event(
+    GROUP, VERSION, KINDS["AccessGrant"].plural, id="rolegate-accessgrant", registry=REGISTRY
+)
+async def on_access_grant(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    runtime_of(memo).controller.observe(type, body)
+
+
+@kopf.on.event(
     GROUP, VERSION, KINDS["ProviderPolicy"].plural, id="rolegate-providerpolicy", registry=REGISTRY
 )
 async def on_provider_policy(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 from rolegate_operator.conditions import owned_status_view
 from rolegate_policy import API_VERSION, GROUP, VERSION
-from rolegate_policy.model import PROVIDER_POLICY_KIND, ROLE_TABLE_KIND
+from rolegate_policy.model import ACCESS_GRANT_KIND, PROVIDER_POLICY_KIND, ROLE_TABLE_KIND
 
 __all__ = [
     "API_VERSION",
@@ -40,6 +40,7 @@ KINDS: Final[Mapping[str, Kind]] = MappingProxyType(
     {
         ROLE_TABLE_KIND: Kind(name=ROLE_TABLE_KIND, plural="roletables"),
         PROVIDER_POLICY_KIND: Kind(name=PROVIDER_POLICY_KIND, plural="providerpolicies"),
+        ACCESS_GRANT_KIND: Kind(name=ACCESS_GRANT_KIND, plural="accessgrants"),
     }
 )
 

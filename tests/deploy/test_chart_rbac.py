@@ -32,7 +32,7 @@ import yaml
 
 from rolegate_cli.controlplane import REPO_ROOT, ControlPlane, free_port
 
-from ..support import provider_policy, role, role_table
+from ..support import open_access, provider_policy, role, role_table
 from ..waiting import wait_for
 from .conftest import fullname, helm, install
 
@@ -516,6 +516,7 @@ def stack(release: Release, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             (home, provider_policy("nearby", url, {MODEL_HOME: ["m1"]})),
             (second, provider_policy("router", url, {MODEL_SECOND: ["m1"]}, breaker=breaker)),
             (home, role_table(role("helper", [MODEL_HOME]), role("agent", [MODEL_SECOND]))),
+            (home, open_access()),
         ]
         for namespace, manifest in objects:
             manifest["metadata"]["namespace"] = namespace

@@ -25,7 +25,7 @@ import yaml
 
 from rolegate_cli.controlplane import ControlPlane
 
-from ..support import provider_policy, role, role_table
+from ..support import open_access, provider_policy, role, role_table
 from .conftest import SECRETS_DIR
 from .test_chart_rbac import (
     Process,
@@ -88,7 +88,7 @@ def stack(release: Release, tmp_path: Path) -> Iterator[Stack]:
             "canary-router", f"{sim_url}/v1", {MODEL: ["m1"]},
             apiKeySecretRef={"name": KEY_SECRET, "key": "apiKey"},
         )  # fmt: skip
-        for manifest in (policy, role_table(role("agent", [MODEL]))):
+        for manifest in (policy, role_table(role("agent", [MODEL])), open_access()):
             manifest["metadata"]["namespace"] = release.namespace
             release.apply(manifest)
         yield start_components(release, sim_url, tmp_path, started)

@@ -17,7 +17,14 @@ import pytest
 
 from rolegate_cli.controlplane import ControlPlane, free_port
 
-from ..support import SimFactory, kubectl_table, provider_policy, role, role_table
+from ..support import (
+    SimFactory,
+    kubectl_table,
+    open_access,
+    provider_policy,
+    role,
+    role_table,
+)
 from ..waiting import eventually
 from .processes import ready, start_cli, stop
 
@@ -73,7 +80,7 @@ async def running_stack(
     policy = provider_policy(
         "router", f"{sim.url}/v1", {MODEL: ["m1"]}, breaker={"cooldownSeconds": 2}
     )
-    for manifest in (policy, role_table(role("agent", [MODEL]))):
+    for manifest in (policy, role_table(role("agent", [MODEL])), open_access()):
         manifest["metadata"]["namespace"] = namespace
         await asyncio.to_thread(crds.kubectl, "apply", "-f", "-", input=json.dumps(manifest))
     kube = ["--kubeconfig", str(crds.kubeconfig)]

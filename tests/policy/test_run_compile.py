@@ -25,10 +25,11 @@ def test_examples_compile_cleanly() -> None:
     assert set(document) == {"config", "verdicts", "ignored"}
     assert document["config"]["hash"].startswith("sha256:")
     assert stdout.startswith('{\n  "config": {\n')  # pretty, 2-space, keys sorted
-    assert stderr.splitlines()[0] == (
+    assert stderr.splitlines()[:2] == [
+        "✓ AccessGrant rolegate/local-open-access (access.yaml): accepted; 1 subject granted *",
         "✓ ProviderPolicy rolegate/sim-router (providers.yaml): accepted; 2 models on 5 "
-        "machines (Aggregator dialect)"
-    )
+        "machines (Aggregator dialect)",
+    ]
     # One line per role beneath its table, by role name.
     roles = [line for line in stderr.splitlines() if line.startswith("  role ")]
     assert [line.split(":")[0] for line in roles] == [
@@ -39,7 +40,7 @@ def test_examples_compile_cleanly() -> None:
     assert "ruling Auto → Only (Auto: Unwatched and patience 4s is under the 10s" in roles[2]
     assert "delivery Auto → Buffered (Auto: Unwatched, so the answer is held until" in roles[2]
     assert roles[0].endswith("; models qwen/qwen3-coder, deepseek/deepseek-v3")
-    assert stderr.rstrip().endswith("2 resources accepted")
+    assert stderr.rstrip().endswith("3 resources accepted")
 
 
 def test_a_rejection_exits_1_naming_file_resource_and_field(tmp_path: Path) -> None:
