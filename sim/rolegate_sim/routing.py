@@ -16,7 +16,7 @@ from typing import Any, Final
 
 # Top-level body fields with which OpenRouter routes a request beyond its `model` (model
 # fallbacks, routing strategy, prompt transforms, plugins): recorded, never acted on.
-ROUTE_FIELDS: Final = ("models", "route", "transforms", "plugins")
+ROUTE_FIELDS: Final[tuple[str, ...]] = ("models", "route", "transforms", "plugins")
 _ROUTED_ON: Final = frozenset({"order", "only", "ignore", "allow_fallbacks"})
 
 
