@@ -18,6 +18,7 @@ from aiohttp import hdrs, http_exceptions, web
 
 from ..core.decisions import Decision
 from ..core.outcomes import Outcome, OutcomeKind
+from ..wire.caller_provider import refuse_unreachable, role_machines
 from ..wire.chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
 from ..wire.errors import ProxyError
 from .state import ProxyState
@@ -77,6 +78,7 @@ class Call:
             patience_seconds=role.patience_seconds,
         )
         chat = validate_chat_request(body, role)
+        refuse_unreachable(chat.caller, role, role_machines(role, self.config))
         response = await state.dispatcher.handle(
             self.request, chat, self.config, self.decision, self.headers
         )

@@ -169,7 +169,7 @@ async def send(
     try:
         return await session.post(
             wire.chat_url(attempt.provider.endpoint),
-            data=wire.request_body(chat.encoded, attempt.model.name, attempt.routing),
+            data=wire.request_body(chat.encoded, attempt.model.name, attempt.routing, chat.caller),
             headers=wire.request_headers(key, stream=chat.stream),
             timeout=timeout,
             allow_redirects=False,
