@@ -130,6 +130,39 @@ def _parser() -> argparse.ArgumentParser:
         "(default: 30; keep the pod's terminationGracePeriodSeconds above it)",
     )
     proxy.add_argument(
+        "--header-timeout-seconds",
+        type=_positive_float,
+        default=10.0,
+        metavar="S",
+        help="close a client connection whose request head is not complete this long after "
+        "it opened (or after its first byte, on a kept-alive connection); a partial head "
+        "gets a 408 (default: 10)",
+    )
+    proxy.add_argument(
+        "--body-timeout-seconds",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="answer 408 and close when a request body is not complete this long after its "
+        "head (default: 30)",
+    )
+    proxy.add_argument(
+        "--idle-timeout-seconds",
+        type=_positive_float,
+        default=75.0,
+        metavar="S",
+        help="close a kept-alive client connection idle this long between requests; keep "
+        "it above the idle timeout of a load balancer in front (default: 75)",
+    )
+    proxy.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=4096,
+        metavar="N",
+        help="client connections served at once; one more is answered 503 and closed "
+        "(default: 4096; keep it under the process's open-file limit)",
+    )
+    proxy.add_argument(
         "--keepalive-seconds",
         type=_positive_float,
         default=5.0,
@@ -388,6 +421,10 @@ def _run_proxy(args: argparse.Namespace) -> int:
         metrics_max_machines=args.metrics_max_machines,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         keepalive_seconds=args.keepalive_seconds,
+        header_timeout_seconds=args.header_timeout_seconds,
+        body_timeout_seconds=args.body_timeout_seconds,
+        idle_timeout_seconds=args.idle_timeout_seconds,
+        max_connections=args.max_connections,
     )
     serve(settings, config, source)
     return 0

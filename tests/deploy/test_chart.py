@@ -623,6 +623,25 @@ def test_lease_timings_in_order_render() -> None:
     assert [args[args.index(flag) + 1] for flag in timings] == ["4.5", "3", "0.5"]
 
 
+def test_proxy_connection_limits_render_as_flags() -> None:
+    """The connection limits reach the proxy's flags, fractions as `--set` strings too."""
+    docs = render(
+        RELEASE, NS,
+        sets=[
+            "proxy.headerTimeoutSeconds=2.5",
+            "proxy.bodyTimeoutSeconds=0.5",
+            "proxy.idleTimeoutSeconds=620",
+            "proxy.maxConnections=100",
+        ],
+    )  # fmt: skip
+    args = container(docs, "proxy")["args"]
+    flags = (
+        "--header-timeout-seconds", "--body-timeout-seconds", "--idle-timeout-seconds",
+        "--max-connections",
+    )  # fmt: skip
+    assert [args[args.index(flag) + 1] for flag in flags] == ["2.5", "0.5", "620", "100"]
+
+
 def test_proxy_deployment(renders: dict[str, Docs]) -> None:
     name = fullname(RELEASE)
     proxy = deployment(renders["default"], "proxy")
@@ -633,6 +652,8 @@ def test_proxy_deployment(renders: dict[str, Docs]) -> None:
         "--log-level", "warning", "proxy", "--configmap", f"{NS}/{name}-config",
         "--host", "0.0.0.0", "--port", "8080", "--secrets-dir", SECRETS_DIR,
         "--shutdown-grace-seconds", "30", "--max-body-bytes", "4194304",
+        "--header-timeout-seconds", "10", "--body-timeout-seconds", "30",
+        "--idle-timeout-seconds", "75", "--max-connections", "4096",
         "--status-heartbeat-seconds", "30",
     ]  # fmt: skip
     assert each["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}

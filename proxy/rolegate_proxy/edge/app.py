@@ -40,7 +40,7 @@ def create_app(
     if config.hash:
         state.metrics.config_hash.labels(config.hash).set(1)
     # aiohttp enforces the limit on bodies without Content-Length; the connection handler
-    # (error_shape.OpenAIErrorRunner) answers it in OpenAI shape, as the routing's errors.
+    # (error_shape.OpenAIErrorHandler) answers it in OpenAI shape, as the routing's errors.
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[MAX_BODY_BYTES] = settings.max_body_bytes
     app[STATE] = state

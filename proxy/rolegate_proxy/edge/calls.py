@@ -139,6 +139,26 @@ def body_too_large(limit: int) -> ProxyError:
     )
 
 
+class BodyTimedOut(web.HTTPRequestTimeout):
+    """A request body that did not arrive within the body limit: what reading it raises
+    (set on the body by the connection handler, edge/connections.py). An HTTP error, so that
+    a handler that lets it through still answers 408 in our shape (edge/error_shape.py)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+
+def body_timed_out(seconds: float) -> ProxyError:
+    return ProxyError(
+        408,
+        f"The request body did not arrive within {seconds:g} s of its headers; send the "
+        "whole body at once, or raise the proxy's --body-timeout-seconds.",
+        code="body_timeout",
+        close_connection=True,
+    )
+
+
 # The content codings aiohttp decodes (br and zstd only with their libraries installed: the
 # parser refuses them otherwise), and the one that means none.
 DECODED_CODINGS = frozenset({"identity", "gzip", "deflate", "br", "zstd"})
@@ -167,6 +187,8 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise body_too_large(limit) from None
+    except BodyTimedOut as late:
+        raise body_timed_out(late.seconds) from None
     except (web.RequestPayloadError, ValueError) as exc:
         raise unreadable_body(exc) from None
 

@@ -17,7 +17,7 @@ from rolegate_policy.config import (
 
 from .app import create_app
 from .configmap_source import ConfigMapSource
-from .error_shape import OpenAIErrorRunner
+from .connections import ConnectionLimits, ProxyRunner
 from .settings import ProxySettings
 from .state import STATE, ProxyState
 
@@ -46,12 +46,19 @@ async def start(
     app = create_app(settings, config, source)
     # handler_cancellation: a client that disconnects cancels its handler at once, which
     # closes the upstream connection, so the provider stops generating for nobody. The
-    # runner answers what the HTTP parser refuses in the OpenAI error shape.
-    runner = OpenAIErrorRunner(
+    # runner answers what the HTTP parser refuses in the OpenAI error shape, and holds the
+    # connections to their limits (edge/connections.py); keepalive_timeout is the idle one.
+    runner = ProxyRunner(
         app,
+        limits=ConnectionLimits(
+            header_seconds=settings.header_timeout_seconds,
+            body_seconds=settings.body_timeout_seconds,
+            max_connections=settings.max_connections,
+        ),
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=settings.shutdown_grace_seconds,
+        keepalive_timeout=settings.idle_timeout_seconds,
     )
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
