@@ -15,6 +15,11 @@ from .credentials import DEFAULT_SECRETS_DIR
 class ProxySettings:
     host: str = "127.0.0.1"
     port: int = 8080
+    # With a port, /metrics, /healthz and /readyz are also served there, on their own
+    # listener, and /metrics leaves the API port (health stays on both). None: everything
+    # on the API port. `metrics_host` None: the API's host.
+    metrics_port: int | None = None
+    metrics_host: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     secrets_dir: Path = DEFAULT_SECRETS_DIR
     # How often API keys are re-read from the environment and mounted Secret files.
