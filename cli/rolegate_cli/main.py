@@ -52,6 +52,20 @@ def _parser() -> argparse.ArgumentParser:
     proxy.add_argument("--host", default="127.0.0.1")
     proxy.add_argument("--port", type=int, default=8080)
     proxy.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve /metrics, /healthz and /readyz on this port too, and /metrics no longer "
+        "on --port (health stays there as well); default: all on --port",
+    )
+    proxy.add_argument(
+        "--metrics-host",
+        default=None,
+        metavar="HOST",
+        help="with --metrics-port: the address it listens on (default: the --host)",
+    )
+    proxy.add_argument(
         "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body"
     )
     proxy.add_argument(
@@ -128,6 +142,39 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="on SIGTERM, stop accepting requests and give open streams this long to finish "
         "(default: 30; keep the pod's terminationGracePeriodSeconds above it)",
+    )
+    proxy.add_argument(
+        "--header-timeout-seconds",
+        type=_positive_float,
+        default=10.0,
+        metavar="S",
+        help="close a client connection whose request head is not complete this long after "
+        "it opened (or after its first byte, on a kept-alive connection); a partial head "
+        "gets a 408 (default: 10)",
+    )
+    proxy.add_argument(
+        "--body-timeout-seconds",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="answer 408 and close when a request body is not complete this long after its "
+        "head (default: 30)",
+    )
+    proxy.add_argument(
+        "--idle-timeout-seconds",
+        type=_positive_float,
+        default=75.0,
+        metavar="S",
+        help="close a kept-alive client connection idle this long between requests; keep "
+        "it above the idle timeout of a load balancer in front (default: 75)",
+    )
+    proxy.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=4096,
+        metavar="N",
+        help="client connections served at once; one more is answered 503 and closed "
+        "(default: 4096; keep it under the process's open-file limit)",
     )
     proxy.add_argument(
         "--keepalive-seconds",
@@ -284,6 +331,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port, 0 to 65535, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = _int(text)
     if value < 1:
@@ -341,7 +395,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         ProxyConfig,
     )
     from rolegate_proxy.edge.configmap_source import ConfigMapSource
-    from rolegate_proxy.edge.server import serve
+    from rolegate_proxy.edge.server import CannotListen, serve
     from rolegate_proxy.edge.settings import ProxySettings
     from rolegate_proxy.edge.standalone import StandaloneConfigError, load_standalone_config
 
@@ -363,6 +417,9 @@ def _run_proxy(args: argparse.Namespace) -> int:
         except StandaloneConfigError as error:
             print(f"rolegate proxy: {error}", file=sys.stderr)
             return 2
+    if args.metrics_host is not None and args.metrics_port is None:
+        print("rolegate proxy: --metrics-host needs --metrics-port", file=sys.stderr)
+        return 2
     admin_token = None
     if args.admin_token_file is not None:
         try:
@@ -374,6 +431,8 @@ def _run_proxy(args: argparse.Namespace) -> int:
         admin_token=admin_token,
         host=args.host,
         port=args.port,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         max_body_bytes=args.max_body_bytes,
         secrets_dir=args.secrets_dir,
         key_refresh_seconds=args.key_refresh_seconds,
@@ -388,8 +447,16 @@ def _run_proxy(args: argparse.Namespace) -> int:
         metrics_max_machines=args.metrics_max_machines,
         shutdown_grace_seconds=args.shutdown_grace_seconds,
         keepalive_seconds=args.keepalive_seconds,
+        header_timeout_seconds=args.header_timeout_seconds,
+        body_timeout_seconds=args.body_timeout_seconds,
+        idle_timeout_seconds=args.idle_timeout_seconds,
+        max_connections=args.max_connections,
     )
-    serve(settings, config, source)
+    try:
+        serve(settings, config, source)
+    except CannotListen as error:
+        print(f"rolegate proxy: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -41,6 +41,7 @@ from rolegate_policy.config import (
     with_hash,
 )
 from rolegate_policy.enums import (
+    BypassField,
     Dialect,
 )
 from rolegate_policy.field_errors import FieldError, shorten, translate
@@ -446,6 +447,7 @@ class _RoleStage:
                     quality_tolerance=role.quality_tolerance,
                     delivery=ruling.delivery,
                     retry=role.retry,
+                    caller_may_bypass=tuple(f for f in BypassField if f in role.caller_may_bypass),
                 )
             )
             self.claimed_by[role.name] = manifest

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rolegate_policy.enums import Delivery, Dialect, Ruling, Visibility
+from rolegate_policy.enums import BypassField, Delivery, Dialect, Ruling, Visibility
 from rolegate_policy.model import (
     BreakerSpec,
     DegradedOutputSpec,
@@ -86,6 +86,9 @@ class CompiledRole(Frozen):
     delivery: Delivery = Delivery.LIVE
     # The spec model itself: its defaults are the defaults, stated once.
     retry: RetrySpec = RetrySpec()
+    # Top-level request fields a caller may send though they route beyond the role
+    # (passed through unchanged); any other is refused with a 400 naming it.
+    caller_may_bypass: tuple[BypassField, ...] = ()
 
 
 class CompiledGrant(Frozen):

@@ -32,3 +32,18 @@ class Dialect(StrEnum):
 class TransportScope(StrEnum):
     PROVIDER = "Provider"
     MODEL = "Model"
+
+
+class BypassField(StrEnum):
+    """A top-level request field with which an OpenRouter-style aggregator routes beyond
+    the request's one model: a caller that sends it could leave its role's models and
+    routing. Spelled exactly as the request field."""
+
+    # Model fallbacks: other models the aggregator may serve the request with.
+    MODELS = "models"
+    # The routing strategy among `models` (`fallback`).
+    ROUTE = "route"
+    # Prompt transforms (`middle-out`): the aggregator rewrites the request.
+    TRANSFORMS = "transforms"
+    # Plugins (web search, file parsing, response healing): other services in the path.
+    PLUGINS = "plugins"

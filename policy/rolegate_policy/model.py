@@ -28,7 +28,14 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from rolegate_policy import endpoint as endpoint_rules
-from rolegate_policy.enums import Delivery, Dialect, Ruling, TransportScope, Visibility
+from rolegate_policy.enums import (
+    BypassField,
+    Delivery,
+    Dialect,
+    Ruling,
+    TransportScope,
+    Visibility,
+)
 from rolegate_policy.field_errors import Loc, SpecRuleError, register_pattern_hint, shorten
 
 ROLE_TABLE_KIND: Final = "RoleTable"
@@ -284,10 +291,31 @@ class RoleSpec(SpecModel):
         ),
     )
 
+    caller_may_bypass: list[BypassField] = Field(
+        default_factory=list,
+        max_length=len(BypassField),
+        # A set of enum values: the API server refuses a repeat.
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description=(
+            "Top-level request fields an aggregator routes by beyond the one model, which a "
+            "caller of this role may send: `models` (model fallbacks), `route`, "
+            "`transforms`, `plugins`. Each lets a request leave the role's models or "
+            "routing, so by default a request carrying one is refused with a 400 naming "
+            "it; listed here, it is passed to the provider unchanged."
+        ),
+    )
+
     @model_validator(mode="after")
     def _models_unique(self) -> RoleSpec:
         problems = _duplicates(
             self.models, "models", None, "model", "list each model once, in order of preference"
+        )
+        problems += _duplicates(
+            [field.value for field in self.caller_may_bypass],
+            "callerMayBypass",
+            None,
+            "field",
+            "list each field once",
         )
         if problems:
             raise SpecRuleError(problems)

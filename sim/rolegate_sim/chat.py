@@ -26,6 +26,7 @@ from rolegate_sim.routing import (
     ProviderPreferences,
     parse_preferences,
     preference_list,
+    route_fields,
 )
 from rolegate_sim.scenario import (
     EmptyFault,
@@ -75,6 +76,7 @@ class ChatRequest:
     max_tokens: int | None
     # None when the body had no `provider` object at all.
     preferences: ProviderPreferences | None
+    route_fields: dict[str, Any] | None = None
 
 
 def parse_chat_request(raw: bytes) -> ChatRequest:
@@ -113,7 +115,9 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         preferences = None if "provider" not in body else parse_preferences(body["provider"])
     except PreferenceError as exc:
         raise BadRequest(str(exc)) from exc
-    return ChatRequest(model, messages, stream, include_usage, max_tokens, preferences)
+    return ChatRequest(
+        model, messages, stream, include_usage, max_tokens, preferences, route_fields(body)
+    )
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:
@@ -190,6 +194,7 @@ async def _serve(
     record.model = chat.model
     record.stream = chat.stream
     record.provider = None if chat.preferences is None else chat.preferences.as_record()
+    record.route_fields = chat.route_fields
 
     model = state.models.get(chat.model)
     if model is None:

@@ -2,15 +2,22 @@
 
 The request body's `provider` object uses OpenRouter's field names exactly: `order`,
 `only`, `ignore`, `allow_fallbacks`. Other OpenRouter provider fields (`sort`,
-`data_collection`, ...) are accepted and ignored, as a client written for OpenRouter sends
-them. Machine names match exactly (case-sensitive).
+`data_collection`, ...) are accepted and not routed on, as a client written for OpenRouter
+sends them; they are recorded as they came, so a test can read what the aggregator was
+asked. So are the top-level fields with which OpenRouter routes beyond the one model
+(`ROUTE_FIELDS`). Machine names match exactly (case-sensitive).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
+
+# Top-level body fields with which OpenRouter routes a request beyond its `model` (model
+# fallbacks, routing strategy, prompt transforms, plugins): recorded, never acted on.
+ROUTE_FIELDS: Final[tuple[str, ...]] = ("models", "route", "transforms", "plugins")
+_ROUTED_ON: Final = frozenset({"order", "only", "ignore", "allow_fallbacks"})
 
 
 class PreferenceError(ValueError):
@@ -24,6 +31,8 @@ class ProviderPreferences:
     only: tuple[str, ...] | None = None
     ignore: tuple[str, ...] | None = None
     allow_fallbacks: bool | None = None
+    # The other fields of the object, as they came (`data_collection`, `zdr`, ...).
+    others: tuple[tuple[str, Any], ...] = ()
 
     def as_record(self) -> dict[str, Any]:
         return {
@@ -31,6 +40,7 @@ class ProviderPreferences:
             "only": None if self.only is None else list(self.only),
             "ignore": None if self.ignore is None else list(self.ignore),
             "allow_fallbacks": self.allow_fallbacks,
+            **dict(self.others),
         }
 
 
@@ -50,7 +60,14 @@ def parse_preferences(value: object) -> ProviderPreferences:
         only=_names(value, "only"),
         ignore=_names(value, "ignore"),
         allow_fallbacks=allow,
+        others=tuple((k, v) for k, v in value.items() if k not in _ROUTED_ON),
     )
+
+
+def route_fields(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The `ROUTE_FIELDS` the body carries, as they came; None when it carries none."""
+    found = {name: body[name] for name in ROUTE_FIELDS if name in body}
+    return found or None
 
 
 def _names(value: dict[str, Any], field: str) -> tuple[str, ...] | None:

@@ -55,6 +55,8 @@ class RequestRecord:
     skipped_down: list[str] = field(default_factory=list)
     continued_partial: bool = False
     provider: dict[str, Any] | None = None
+    # The top-level routing fields beyond `model` (`routing.ROUTE_FIELDS`) the body carried.
+    route_fields: dict[str, Any] | None = None
     status: int | None = None
     outcome: Outcome | None = None
     tokens_sent: int = 0
@@ -82,6 +84,7 @@ class RequestRecord:
             "skipped_down": list(self.skipped_down),
             "continued_partial": self.continued_partial,
             "provider": self.provider,
+            "route_fields": self.route_fields,
             "status": self.status,
             "outcome": "in_progress" if self.outcome is None else str(self.outcome),
             "tokens_sent": self.tokens_sent,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -176,3 +177,40 @@ def test_demo_runs_end_to_end() -> None:
         "breaker tripped: model deepseek/deepseek-v3 at sim-router (EmptyResponses" in result.stdout
     )
     assert "breaker recovered: model deepseek/deepseek-v3" in result.stdout
+
+
+def test_proxy_connection_limit_flags_reach_the_server(
+    tmp_path: Path, processes: list[subprocess.Popen[str]]
+) -> None:
+    """`--max-connections 1`: a second connection is refused 503 while a silent one holds
+    the place; `--header-timeout-seconds 0.5` frees the place, and requests are served."""
+    proxy_port = free_port()
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    for path in (EXAMPLES / "manifests").glob("*.yaml"):
+        (manifests / path.name).write_text(path.read_text(encoding="utf-8"), encoding="utf-8")
+    proxy = subprocess.Popen(
+        [*CLI, "proxy", "--manifests", str(manifests), "--port", str(proxy_port),
+         "--max-connections", "1", "--header-timeout-seconds", "0.5",
+         "--body-timeout-seconds", "0.5", "--idle-timeout-seconds", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    processes.append(proxy)
+    wait_until_up(f"http://127.0.0.1:{proxy_port}/readyz", proxy)
+    statuses: set[int] = set()
+
+    def refused_then_served() -> bool:
+        # Each round holds the one place with a silent connection first.
+        with (
+            socket.create_connection(("127.0.0.1", proxy_port)),
+            contextlib.suppress(httpx.TransportError),
+        ):
+            statuses.add(httpx.get(f"http://127.0.0.1:{proxy_port}/healthz").status_code)
+        return 503 in statuses
+
+    wait_for(refused_then_served, "a connection over --max-connections answered 503")
+    wait_for(
+        lambda: httpx.get(f"http://127.0.0.1:{proxy_port}/healthz").status_code == 200,
+        "a request served once the silent connection is gone",
+    )
+    assert run("proxy", "--manifests", str(manifests), "--max-connections", "0").returncode == 2

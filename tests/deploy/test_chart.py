@@ -623,6 +623,25 @@ def test_lease_timings_in_order_render() -> None:
     assert [args[args.index(flag) + 1] for flag in timings] == ["4.5", "3", "0.5"]
 
 
+def test_proxy_connection_limits_render_as_flags() -> None:
+    """The connection limits reach the proxy's flags, fractions as `--set` strings too."""
+    docs = render(
+        RELEASE, NS,
+        sets=[
+            "proxy.headerTimeoutSeconds=2.5",
+            "proxy.bodyTimeoutSeconds=0.5",
+            "proxy.idleTimeoutSeconds=620",
+            "proxy.maxConnections=100",
+        ],
+    )  # fmt: skip
+    args = container(docs, "proxy")["args"]
+    flags = (
+        "--header-timeout-seconds", "--body-timeout-seconds", "--idle-timeout-seconds",
+        "--max-connections",
+    )  # fmt: skip
+    assert [args[args.index(flag) + 1] for flag in flags] == ["2.5", "0.5", "620", "100"]
+
+
 def test_proxy_deployment(renders: dict[str, Docs]) -> None:
     name = fullname(RELEASE)
     proxy = deployment(renders["default"], "proxy")
@@ -631,13 +650,20 @@ def test_proxy_deployment(renders: dict[str, Docs]) -> None:
     assert each["command"] == ["rolegate"]
     assert each["args"] == [
         "--log-level", "warning", "proxy", "--configmap", f"{NS}/{name}-config",
-        "--host", "0.0.0.0", "--port", "8080", "--secrets-dir", SECRETS_DIR,
+        "--host", "0.0.0.0", "--port", "8080", "--metrics-port", "9090",
+        "--secrets-dir", SECRETS_DIR,
         "--shutdown-grace-seconds", "30", "--max-body-bytes", "4194304",
+        "--header-timeout-seconds", "10", "--body-timeout-seconds", "30",
+        "--idle-timeout-seconds", "75", "--max-connections", "4096",
         "--status-heartbeat-seconds", "30",
     ]  # fmt: skip
-    assert each["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
-    assert each["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
-    assert each["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    # The probes, like Prometheus, use the metrics port (9090), never the API's.
+    assert each["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert each["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert each["ports"] == [
+        {"name": "http", "containerPort": 8080, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 9090, "protocol": "TCP"},
+    ]
     # Graceful shutdown: endpoints drop the pod first, then streams get their grace.
     assert each["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}
     assert pod_spec(renders["default"], "proxy")["terminationGracePeriodSeconds"] == 30 + 15
@@ -646,7 +672,7 @@ def test_proxy_deployment(renders: dict[str, Docs]) -> None:
     annotations = proxy["spec"]["template"]["metadata"]["annotations"]
     assert annotations == {
         "prometheus.io/scrape": "true",
-        "prometheus.io/port": "8080",
+        "prometheus.io/port": "9090",
         "prometheus.io/path": "/metrics",
     }
     # The HA set: the autoscaler owns the replica count; outcomes go to stdout.
@@ -658,7 +684,8 @@ def test_proxy_deployment(renders: dict[str, Docs]) -> None:
     service = find(renders["default"], "Service", f"{name}-proxy", NS)
     assert service["spec"]["type"] == "ClusterIP"
     assert service["spec"]["ports"] == [
-        {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"}
+        {"name": "http", "port": 80, "targetPort": "http", "protocol": "TCP"},
+        {"name": "metrics", "port": 9090, "targetPort": "metrics", "protocol": "TCP"},
     ]
 
 
@@ -679,8 +706,10 @@ def test_proxy_companions(renders: dict[str, Docs]) -> None:
     assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
     monitor = find(renders["ha"], "ServiceMonitor", name, NS)
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    assert monitor["spec"]["endpoints"][0]["port"] == "http"
-    assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    # It scrapes the Service's `metrics` port: the API port no longer serves /metrics.
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "15s", "scrapeTimeout": "10s"}
+    ]
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     # The PDB: with two pods (the default) and with the autoscaler, never with one pod.
     assert find(renders["default"], "PodDisruptionBudget", name, NS)["spec"]["minAvailable"] == 1

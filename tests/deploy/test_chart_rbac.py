@@ -423,6 +423,8 @@ class Stack:
     operator: Process
     proxy: Process
     proxy_url: str
+    # The proxy's `--metrics-port` listener: /metrics, and the probes' /healthz and /readyz.
+    metrics_url: str
     proxy_pod: str
     operator_kubeconfig: Path
     proxy_kubeconfig: Path
@@ -470,22 +472,28 @@ def start_components(
     proxy_pod = chart_pod(release, "proxy")
     root = directory / "proxy-root"
     kubelet_mounts(release, proxy_pod, root)
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     args, env = chart_command(
-        proxy_pod, root, proxy_kubeconfig, {"--host": "127.0.0.1", "--port": str(port)}
-    )
+        proxy_pod, root, proxy_kubeconfig,
+        {"--host": "127.0.0.1", "--port": str(port), "--metrics-port": str(metrics_port)},
+    )  # fmt: skip
     assert flag_values(args, "--configmap") == [f"{home}/{release.configmap}"]
+    assert "--metrics-host" not in args, "the metrics port listens where the API does"
     proxy = Process(args, directory / "proxy.log", process_env(**env))
     started.append(proxy)
     proxy_url = f"http://127.0.0.1:{port}"
+    metrics_url = f"http://127.0.0.1:{metrics_port}"
+    # Where the chart's readiness probe asks.
+    probe = proxy_pod.container["readinessProbe"]["httpGet"]
+    assert probe["port"] == "metrics"
     wait_for(
-        lambda: answers(f"{proxy_url}/readyz"),
+        lambda: answers(f"{metrics_url}{probe['path']}"),
         "the proxy to serve the operator's ConfigMap",
         within=40,
         alive=started,
     )
     return Stack(
-        release, sim_url, operator, proxy, proxy_url, proxy_pod.name,
+        release, sim_url, operator, proxy, proxy_url, metrics_url, proxy_pod.name,
         operator_kubeconfig, proxy_kubeconfig,
     )  # fmt: skip
 

@@ -221,7 +221,12 @@ def test_the_key_reaches_the_provider_through_the_mount_and_leaks_nowhere(stack:
         assert "agent" in decisions.text
         surfaces.add("/v1/rolegate/decisions", decisions.text)
         surfaces.add("/v1/rolegate/state", client.get("/v1/rolegate/state", headers=admin).text)
-        surfaces.add("/metrics", client.get("/metrics").text)
+        # The chart's proxy serves /metrics on its metrics port only.
+        assert client.get("/metrics").status_code == 404
+        metrics = httpx.get(f"{stack.metrics_url}/metrics", timeout=10)
+        assert metrics.status_code == 200
+        assert "rolegate_requests_total" in metrics.text
+        surfaces.add("/metrics", metrics.text)
         surfaces.add("/v1/models", client.get("/v1/models").text)
         surfaces.add("/readyz", client.get("/readyz").text)
     read_api_objects(release, surfaces)

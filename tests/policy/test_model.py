@@ -107,6 +107,22 @@ def test_role_models_are_unique() -> None:
     }
 
 
+def test_caller_may_bypass_names_request_fields_once_each() -> None:
+    spec = parse_spec("RoleTable", {"roles": [role()]})
+    assert isinstance(spec, RoleTableSpec)
+    assert spec.roles[0].caller_may_bypass == []
+    assert table_errors(role(callerMayBypass=["plugins", "Models"])) == {
+        "spec.roles[0].callerMayBypass[1]": (
+            "must be one of 'models', 'route', 'transforms' or 'plugins'"
+        )
+    }
+    assert table_errors(role(callerMayBypass=["route", "plugins", "route"])) == {
+        "spec.roles[0].callerMayBypass[2]": (
+            "field route is listed twice (first at callerMayBypass[0]); list each field once"
+        )
+    }
+
+
 def test_role_names_are_unique_within_a_table() -> None:
     errors = table_errors(role("a"), role("b"), role("a"))
     assert list(errors) == ["spec.roles[2].name"]

@@ -246,6 +246,16 @@ def test_transport_faults_follow_the_declared_scope() -> None:
         assert "http_5xx" in trip.detail
 
 
+def test_redirects_are_transport_faults_under_one_signature() -> None:
+    # A 3xx is never followed (flow/upstream.py): the upstream did not answer, as with a 5xx.
+    breakers = make(BreakerSpec(jitter_fraction=0))
+    breakers.record(status(307), 0.0)
+    (trip,) = breakers.record(status(302), 1.0)
+    assert trip.key == BreakerKey("p")
+    assert trip.reason is TripReason.UPSTREAM_ERRORS
+    assert "http_3xx" in trip.detail
+
+
 def test_an_aggregators_named_failing_machine_is_tripped_alone() -> None:
     breakers = make()
     breakers.record(status(503, "agg", "m", machine="DeepInfra"), 0.0)

@@ -121,16 +121,26 @@ async def test_a_direct_provider_gets_no_provider_field(
             role_table(role("agent", [A])),
         ]
     )
+    caller = {"only": ["direct"], "data_collection": "deny", "zdr": True}
     async with httpx.AsyncClient() as client:
         response = await client.post(
             f"{proxy.url}/v1/chat/completions",
-            json={**GOOD, "model": "agent", "provider": {"only": ["x"]}},
+            json={**GOOD, "model": "agent", "provider": caller},
         )
-    assert response.status_code == 200
-    assert response.headers["x-rolegate-machine"] == "direct"
-    (record,) = await sim_records(sim.url)
-    # The caller's own `provider` field is not forwarded to a plain OpenAI server.
-    assert not record["provider"] or not any(record["provider"].values())
+        assert response.status_code == 200
+        assert response.headers["x-rolegate-machine"] == "direct"
+        (record,) = await sim_records(sim.url)
+        # The caller's own `provider` field is not forwarded to a plain OpenAI server: it
+        # routes nothing there.
+        assert record["provider"] is None
+        # Its narrowing still holds: a direct provider's one machine is named like any.
+        response = await client.post(
+            f"{proxy.url}/v1/chat/completions",
+            json={**GOOD, "model": "agent", "provider": {"ignore": ["direct"]}},
+        )
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "provider.ignore"
+    assert len(await sim_records(sim.url)) == 1
 
 
 @pytest.mark.parametrize(

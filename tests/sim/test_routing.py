@@ -211,3 +211,22 @@ async def test_an_unknown_model_is_404(start_sim: StartSim, http: aiohttp.Client
 )
 def test_preference_list(prefs: ProviderPreferences, expected: list[str]) -> None:
     assert preference_list(("a", "b", "c"), prefs) == expected
+
+
+async def test_the_record_shows_every_provider_field_and_route_field_as_it_came(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    sim = await start_sim(THREE)
+    provider = {"only": ["b"], "data_collection": "deny", "zdr": True, "quantizations": ["fp8"]}
+    plugins = [{"id": "web"}]
+    reply = await chat(http, sim.url, body(provider=provider, plugins=plugins, models=["x/y"]))
+    assert reply.status == 200
+    reply = await chat(http, sim.url, body())
+    assert reply.status == 200
+    first, second = await records(http, sim.url)
+    assert first["provider"] == {
+        "order": None, "only": ["b"], "ignore": None, "allow_fallbacks": None,
+        "data_collection": "deny", "zdr": True, "quantizations": ["fp8"],
+    }  # fmt: skip
+    assert first["route_fields"] == {"models": ["x/y"], "plugins": plugins}
+    assert (second["provider"], second["route_fields"]) == (None, None)

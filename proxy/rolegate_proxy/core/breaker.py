@@ -51,6 +51,7 @@ from .exclusions import (
     TransitionKind,
     Trigger,
     covering_keys,
+    is_redirect,
     is_transport_status,
 )
 from .verdicts import Verdict
@@ -223,8 +224,10 @@ def _classify(
         if cause is not None:
             return [], _Hard(cause, BreakerKey(outcome.provider), status), False
         if is_transport_status(status):
-            # One signature for all 5xx: a 502 and a 503 are the same upstream falling over.
-            signature = f"http_{status // 100}xx" if status >= 500 else f"http_{status}"
+            # One signature for all 5xx: a 502 and a 503 are the same upstream falling over;
+            # one for all 3xx: a redirect, whatever its kind, is an answer we never follow.
+            grouped = status >= 500 or is_redirect(status)
+            signature = f"http_{status // 100}xx" if grouped else f"http_{status}"
             key = _transport_key(outcome, settings)
             return [_Sample(Family.TRANSPORT, key, signature)], None, False
         return [], None, False  # about the request: no evidence either way

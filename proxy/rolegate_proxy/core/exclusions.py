@@ -168,8 +168,13 @@ def is_request_fault(status: int) -> bool:
 
 
 def is_transport_status(status: int) -> bool:
-    """A status that counts as a transport fault: 5xx (and anything above), 408, 409, 425."""
-    return status >= 500 or status in TRANSPORT_CLIENT_STATUSES
+    """A status that counts as a transport fault: 5xx (and anything above), 408, 409, 425,
+    and every 3xx (a redirect is never followed: the upstream did not answer)."""
+    return status >= 500 or is_redirect(status) or status in TRANSPORT_CLIENT_STATUSES
+
+
+def is_redirect(status: int) -> bool:
+    return 300 <= status < 400
 
 
 # A Retry-After longer than this is taken as this: a day out of rotation is already a choice

@@ -40,7 +40,7 @@ def create_app(
     if config.hash:
         state.metrics.config_hash.labels(config.hash).set(1)
     # aiohttp enforces the limit on bodies without Content-Length; the connection handler
-    # (error_shape.OpenAIErrorRunner) answers it in OpenAI shape, as the routing's errors.
+    # (error_shape.OpenAIErrorHandler) answers it in OpenAI shape, as the routing's errors.
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[MAX_BODY_BYTES] = settings.max_body_bytes
     app[STATE] = state
@@ -56,13 +56,29 @@ def create_app(
         app.cleanup_ctx.append(_status_reports)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", metrics)
+    add_operational_routes(app, metrics=settings.metrics_port is None)
     app.router.add_get("/v1/rolegate/decisions", explain.decisions)
     app.router.add_get("/v1/rolegate/state", explain.state)
     app.router.add_post("/v1/feedback", explain.feedback)
     return app
+
+
+def create_metrics_app(api: web.Application) -> web.Application:
+    """The metrics listener's app (`--metrics-port`): /metrics, /healthz and /readyz on the
+    API app's state. No background work of its own: that belongs to the API app."""
+    app = web.Application()
+    app[STATE] = api[STATE]
+    add_operational_routes(app, metrics=True)
+    return app
+
+
+def add_operational_routes(app: web.Application, *, metrics: bool) -> None:
+    """The one place the operational endpoints are routed: health on every listener, and
+    /metrics on the listener that serves it (the metrics port when there is one)."""
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    if metrics:
+        app.router.add_get("/metrics", metrics_page)
 
 
 async def _shutting_down(app: web.Application) -> None:
@@ -257,7 +273,7 @@ async def readyz(request: web.Request) -> web.Response:
     )
 
 
-async def metrics(request: web.Request) -> web.Response:
+async def metrics_page(request: web.Request) -> web.Response:
     # Snapshot on the loop, render in a worker thread: a large page must not hold the loop.
     render = request.app[STATE].metrics.scrape()
     body = await asyncio.to_thread(render)

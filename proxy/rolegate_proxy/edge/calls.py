@@ -18,6 +18,7 @@ from aiohttp import hdrs, http_exceptions, web
 
 from ..core.decisions import Decision
 from ..core.outcomes import Outcome, OutcomeKind
+from ..wire.caller_provider import refuse_unreachable, role_machines
 from ..wire.chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
 from ..wire.errors import ProxyError
 from .state import ProxyState
@@ -80,6 +81,7 @@ class Call:
             patience_seconds=role.patience_seconds,
         )
         chat = validate_chat_request(body, role)
+        refuse_unreachable(chat.caller, role, role_machines(role, self.config))
         response = await state.dispatcher.handle(
             self.request, chat, self.config, self.decision, self.headers
         )
@@ -140,6 +142,26 @@ def body_too_large(limit: int) -> ProxyError:
     )
 
 
+class BodyTimedOut(web.HTTPRequestTimeout):
+    """A request body that did not arrive within the body limit: what reading it raises
+    (set on the body by the connection handler, edge/connections.py). An HTTP error, so that
+    a handler that lets it through still answers 408 in our shape (edge/error_shape.py)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+
+def body_timed_out(seconds: float) -> ProxyError:
+    return ProxyError(
+        408,
+        f"The request body did not arrive within {seconds:g} s of its headers; send the "
+        "whole body at once, or raise the proxy's --body-timeout-seconds.",
+        code="body_timeout",
+        close_connection=True,
+    )
+
+
 # The content codings aiohttp decodes (br and zstd only with their libraries installed: the
 # parser refuses them otherwise), and the one that means none.
 DECODED_CODINGS = frozenset({"identity", "gzip", "deflate", "br", "zstd"})
@@ -168,6 +190,8 @@ async def read_body(request: web.Request, limit: int) -> bytes:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise body_too_large(limit) from None
+    except BodyTimedOut as late:
+        raise body_timed_out(late.seconds) from None
     except (web.RequestPayloadError, ValueError) as exc:
         raise unreadable_body(exc) from None
 

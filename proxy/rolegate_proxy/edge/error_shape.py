@@ -4,9 +4,10 @@ Two places make aiohttp's plain-text errors, both in the low-level connection ha
 the HTTPExceptions raised around the handlers (the router's 404 and 405, a body over the
 size limit on any route), which it sends as they are; and `handle_error`, which answers
 what never reached a route (a request the HTTP parser refused) and what a handler raised
-unexpectedly (500). `OpenAIErrorRunner` serves the app with a connection handler that
-reshapes both. It does so at the connection, not in a middleware: a middleware would
-wrap every request in two more coroutines, about a fortieth of a proxied request's CPU.
+unexpectedly (500). `OpenAIErrorHandler` is a connection handler that reshapes both (the
+server runs its subclass in edge/connections.py). It does so at the connection, not in a
+middleware: a middleware would wrap every request in two more coroutines, about a fortieth
+of a proxied request's CPU.
 
 Messages are ours and say what to fix; none echoes request text (a path, a method, a
 header), which is the client's and could be anything.
@@ -20,7 +21,7 @@ from http import HTTPStatus
 from aiohttp import hdrs, http_exceptions, web
 
 from ..wire.errors import ProxyError
-from .calls import body_too_large, unsupported_encoding
+from .calls import BodyTimedOut, body_timed_out, body_too_large, unsupported_encoding
 
 log = logging.getLogger("rolegate.proxy")
 
@@ -56,6 +57,8 @@ def _reshaped(request: web.Request, exc: web.HTTPException, max_body_bytes: int)
         )
     if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return body_too_large(max_body_bytes)
+    if isinstance(exc, BodyTimedOut):
+        return body_timed_out(exc.seconds)
     return _status_error(exc.status)
 
 
@@ -152,7 +155,7 @@ def _server_error(status: int) -> ProxyError:
     )
 
 
-class _OpenAIErrorHandler(web.RequestHandler):
+class OpenAIErrorHandler(web.RequestHandler):
     """One connection, whose error answers (routing, the parser's, a handler's crash) are
     JSON."""
 
@@ -191,29 +194,3 @@ class _OpenAIErrorHandler(web.RequestHandler):
         # As aiohttp does: after a parser error the stream's framing is lost.
         response.force_close()
         return response
-
-
-class _OpenAIErrorServer(web.Server):
-    def __call__(self) -> web.RequestHandler:
-        # Private API: web.Server builds a plain RequestHandler from `_loop` and `_kwargs`
-        # (the handler settings of AppRunner and the app); ours gets the very same ones.
-        return _OpenAIErrorHandler(self, loop=self._loop, **self._kwargs)
-
-
-class OpenAIErrorRunner(web.AppRunner):
-    """A web.AppRunner whose connections answer protocol errors in the OpenAI shape.
-
-    aiohttp offers no setting for the connection handler's class; `_make_server` (the
-    runner's private hook that builds the server from the app) is the one place to swap
-    it. The server aiohttp built is copied, so every setting it carries is kept.
-    """
-
-    async def _make_server(self) -> web.Server:
-        built = await super()._make_server()
-        return _OpenAIErrorServer(
-            built.request_handler,
-            request_factory=built.request_factory,
-            handler_cancellation=built.handler_cancellation,
-            loop=built._loop,
-            **built._kwargs,
-        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import signal
 import sys
 from dataclasses import dataclass
@@ -15,15 +16,19 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 
-from .app import create_app
+from .app import create_app, create_metrics_app
 from .configmap_source import ConfigMapSource
-from .error_shape import OpenAIErrorRunner
+from .connections import ConnectionLimits, ProxyRunner
 from .settings import ProxySettings
 from .state import STATE, ProxyState
 
 
+class CannotListen(Exception):
+    """A port the proxy was told to listen on cannot be bound (taken, or not ours)."""
+
+
 @dataclass
-class RunningProxy:
+class Listener:
     runner: web.AppRunner
     host: str
     port: int
@@ -32,33 +37,94 @@ class RunningProxy:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+
+@dataclass
+class RunningProxy:
+    api: Listener
+    # The `--metrics-port` listener (/metrics and health), None when the API port serves them.
+    metrics: Listener | None = None
+
+    @property
+    def host(self) -> str:
+        return self.api.host
+
+    @property
+    def port(self) -> int:
+        return self.api.port
+
+    @property
+    def url(self) -> str:
+        return self.api.url
+
+    @property
+    def metrics_url(self) -> str:
+        """Where /metrics is served: the metrics listener, else the API's."""
+        return (self.metrics or self.api).url
+
     @property
     def state(self) -> ProxyState:
-        return self.runner.app[STATE]
+        return self.api.runner.app[STATE]
 
     async def stop(self) -> None:
-        await self.runner.cleanup()
+        # The API first (its open streams get the grace period); the metrics listener last,
+        # so the probes and a final scrape still answer while the streams drain.
+        await self.api.runner.cleanup()
+        if self.metrics is not None:
+            await self.metrics.runner.cleanup()
 
 
 async def start(
     settings: ProxySettings, config: ProxyConfig, source: ConfigMapSource | None = None
 ) -> RunningProxy:
+    """Listen on the API port, and on the metrics port when one is set; `CannotListen`
+    names the flag whose port cannot be bound (nothing is left running then)."""
     app = create_app(settings, config, source)
     # handler_cancellation: a client that disconnects cancels its handler at once, which
     # closes the upstream connection, so the provider stops generating for nobody. The
-    # runner answers what the HTTP parser refuses in the OpenAI error shape.
-    runner = OpenAIErrorRunner(
+    # runner answers what the HTTP parser refuses in the OpenAI error shape, and holds the
+    # connections to their limits (edge/connections.py); keepalive_timeout is the idle one.
+    runner = ProxyRunner(
         app,
+        limits=ConnectionLimits(
+            header_seconds=settings.header_timeout_seconds,
+            body_seconds=settings.body_timeout_seconds,
+            max_connections=settings.max_connections,
+        ),
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=settings.shutdown_grace_seconds,
+        keepalive_timeout=settings.idle_timeout_seconds,
     )
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
-    await site.start()
+    try:
+        api = await _listen(runner, settings.host, settings.port, "--port")
+    except CannotListen:
+        await runner.cleanup()
+        raise
+    if settings.metrics_port is None:
+        return RunningProxy(api=api)
+    metrics_runner = web.AppRunner(create_metrics_app(app), access_log=None)
+    await metrics_runner.setup()
+    host = settings.metrics_host or settings.host
+    try:
+        metrics = await _listen(metrics_runner, host, settings.metrics_port, "--metrics-port")
+    except CannotListen:
+        await metrics_runner.cleanup()
+        await runner.cleanup()
+        raise
+    return RunningProxy(api=api, metrics=metrics)
+
+
+async def _listen(runner: web.AppRunner, host: str, port: int, flag: str) -> Listener:
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError as error:  # the port is taken, or not ours to bind
+        # asyncio words the error around the address; the address is said already.
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise CannotListen(f"cannot listen on {host}:{port} ({flag}): {reason}") from error
     # With port 0 the OS picks a free one; the runner knows which.
-    port = int(runner.addresses[0][1])
-    return RunningProxy(runner=runner, host=settings.host, port=port)
+    return Listener(runner=runner, host=host, port=int(runner.addresses[0][1]))
 
 
 # Young objects a collection waits for (CPython's default is 700).
@@ -83,14 +149,16 @@ def settle_garbage_collector() -> None:
 def serve(
     settings: ProxySettings, config: ProxyConfig, source: ConfigMapSource | None = None
 ) -> None:
-    """Run until SIGINT or SIGTERM; open streams get the grace period to finish."""
+    """Run until SIGINT or SIGTERM; open streams get the grace period to finish. A port
+    that cannot be bound raises `CannotListen`."""
 
     async def main() -> None:
         running = await start(settings, config, source)
         settle_garbage_collector()
         origin = source.describe if source else f"{len(config.roles)} roles, config {config.hash}"
+        metrics = f", metrics on {running.metrics.url}" if running.metrics else ""
         print(
-            f"rolegate proxy listening on {running.url} ({origin})",
+            f"rolegate proxy listening on {running.url} ({origin}){metrics}",
             file=sys.stderr,
             flush=True,
         )

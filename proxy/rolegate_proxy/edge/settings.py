@@ -15,10 +15,24 @@ from .credentials import DEFAULT_SECRETS_DIR
 class ProxySettings:
     host: str = "127.0.0.1"
     port: int = 8080
+    # With a port, /metrics, /healthz and /readyz are also served there, on their own
+    # listener, and /metrics leaves the API port (health stays on both). None: everything
+    # on the API port. `metrics_host` None: the API's host.
+    metrics_port: int | None = None
+    metrics_host: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
     secrets_dir: Path = DEFAULT_SECRETS_DIR
     # How often API keys are re-read from the environment and mounted Secret files.
     key_refresh_seconds: float = 30.0
+    # The client connections' limits (edge/connections.py): a request head must be complete
+    # within `header_timeout_seconds` (of the connection's start, or of its first byte on a
+    # kept-alive connection), a body within `body_timeout_seconds` of its head; a kept-alive
+    # connection idle for `idle_timeout_seconds` is closed; one connection over
+    # `max_connections` is answered 503 and closed. None limits a response.
+    header_timeout_seconds: float = 10.0
+    body_timeout_seconds: float = 30.0
+    idle_timeout_seconds: float = 75.0
+    max_connections: int = 4096
     # Streams still open at shutdown get this long to finish (SIGTERM drains).
     shutdown_grace_seconds: float = 30.0
     # Breaker reports on ProviderPolicy status are re-sent at least this often (in a

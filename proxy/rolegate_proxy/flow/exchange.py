@@ -31,6 +31,7 @@ from ..core.arm_end import Answered, ArmEnd, Cause, RequestFault
 from ..core.breaker import Admission
 from ..core.decisions import Decision
 from ..core.routing import Attempt, Candidate, MachineRouting, routes_machines
+from ..wire.aggregator import CallerRefusal, merge
 from ..wire.chat_request import ChatRequest
 from ..wire.errors import ProxyError
 from .arms import ArmRun, Reply, complete, reply_response, verdict_on
@@ -264,7 +265,12 @@ class Exchange:
         return self._admitted(Attempt(candidate.provider, candidate.model, choice.routing))
 
     def _admitted(self, attempt: Attempt) -> Attempt | None:
-        """The breakers' word at the moment of sending; probes taken are held."""
+        """The caller's narrowing, then the breakers' word at the moment of sending; probes
+        taken are held."""
+        asked = self._as_the_caller_asks(attempt)
+        if asked is None:
+            return None
+        attempt = asked
         routing = attempt.routing
         machines = () if routing is None else routing.machines
         admission = self.services.breakers.admit_attempt(
@@ -288,6 +294,28 @@ class Exchange:
         kept = tuple(m for m in routing.machines if m not in admission.refused)
         narrowed = MachineRouting(routing.kind, kept, (*routing.ignore, *admission.refused))
         return Attempt(attempt.provider, attempt.model, narrowed)
+
+    def _as_the_caller_asks(self, attempt: Attempt) -> Attempt | None:
+        """The attempt's machines narrowed by the caller's `provider.only`/`ignore` (SPEC
+        F3); when none is left the candidate is skipped, as a role's `Only` with no machine
+        is. A direct provider's one machine is narrowed by name like any other."""
+        caller = self.chat.caller
+        if not caller.narrows_machines:
+            return attempt
+        refusal: CallerRefusal | None = None
+        if attempt.routing is not None:
+            merged = merge(attempt.routing, caller)
+            if isinstance(merged, CallerRefusal):
+                refusal = merged
+            else:
+                attempt = Attempt(attempt.provider, attempt.model, merged.routing)
+        elif attempt.single_machine is not None and not caller.admits(attempt.single_machine):
+            field = "provider.only" if caller.only is not None else "provider.ignore"
+            refusal = CallerRefusal(f"the caller's {field} leaves out this provider's machine")
+        if refusal is None:
+            return attempt
+        self.decision.skip(attempt.provider.name, attempt.model.name, None, refusal.reason)
+        return None
 
     def onward(self, provider_name: str, model_name: str, machine: str) -> Attempt | None:
         """An attempt aimed at exactly one machine (a race's rival, a continuation),

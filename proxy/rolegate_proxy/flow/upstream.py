@@ -4,9 +4,9 @@
 headers are in. A pooled keep-alive connection the upstream had already closed fails
 before any header arrives; that is nobody's fault (`StaleConnection`): the caller records
 it and sends again on a fresh connection, once. Redirects are never followed (they would
-carry the prompt to another host). Every failure is an `ArmFailed` with its cause (see
-core/arm_end.py) and, for an error answer, the error as the provider's wire protocol
-reads it (`wire/dialects.py`).
+carry the prompt to another host): a 3xx is an error status like a 5xx. Every failure is
+an `ArmFailed` with its cause (see core/arm_end.py) and, for an error answer, the error as
+the provider's wire protocol reads it (`wire/dialects.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from aiohttp.tracing import Trace
 from rolegate_policy.config import SecretRef
 
 from ..core.arm_end import Cause
+from ..core.exclusions import is_redirect
 from ..core.routing import Attempt
 from ..wire.answers import UpstreamError
 from ..wire.chat_request import ChatRequest
@@ -169,7 +170,7 @@ async def send(
     try:
         return await session.post(
             wire.chat_url(attempt.provider.endpoint),
-            data=wire.request_body(chat.encoded, attempt.model.name, attempt.routing),
+            data=wire.request_body(chat.encoded, attempt.model.name, attempt.routing, chat.caller),
             headers=wire.request_headers(key, stream=chat.stream),
             timeout=timeout,
             allow_redirects=False,
@@ -221,7 +222,10 @@ async def failed_with_status(
         body = b""
     error = wire.parse_error(response.status, body, named=named)
     cause = Cause.REJECTED if error.request_fault is not None else Cause.HTTP_ERROR
+    # A redirect is the upstream's fault like a 5xx: its Location is never followed, for
+    # the request would carry the prompt and the API key to wherever it points.
+    redirect = ", a redirect (never followed)" if is_redirect(response.status) else ""
     return ArmFailed(
-        cause, f"answered {error.describe()}", error=error,
+        cause, f"answered {error.describe()}{redirect}", error=error,
         retry_after=response.headers.get("Retry-After"),
     )  # fmt: skip

@@ -13,6 +13,7 @@ from rolegate_policy.config import (
 )
 
 from ..core.verdicts import PromptProfile, profile_prompt
+from .caller_provider import NO_PREFERENCES, CallerProvider, parse_caller_provider, refuse_bypass
 from .errors import ProxyError, bad_request
 
 ROLE_HEADER = "X-Rolegate-Role"
@@ -25,7 +26,8 @@ MAX_NESTING = 254
 
 @dataclass(frozen=True, slots=True)
 class EncodedBody:
-    """The client's body without `model` and `provider` (rolegate sets both per attempt),
+    """The client's body without `model` and `provider` (rolegate sets both per attempt,
+    the `provider` field merged from the role's routing and the caller's preferences),
     encoded once per request as UTF-8 JSON: non-ASCII goes out as it came, never as
     `\\u` escapes."""
 
@@ -72,6 +74,9 @@ class ChatRequest:
     prompt_tokens: int = 0
     # The body as sent upstream, but for the model and the routing.
     encoded: EncodedBody = EncodedBody(b"{}")
+    # The caller's own routing preferences (its `provider` object), merged with the role's
+    # routing per attempt, never replacing it (SPEC F3).
+    caller: CallerProvider = NO_PREFERENCES
 
     def continued(self, delivered: str) -> ChatRequest:
         """This request with the text already delivered as a partial assistant message, for
@@ -79,7 +84,13 @@ class ChatRequest:
         messages = [*self.body.get("messages", []), {"role": "assistant", "content": delivered}]
         body = {**self.body, "messages": messages}
         return ChatRequest(
-            self.role, body, self.stream, self.prompt, self.prompt_tokens, encode_body(body)
+            self.role,
+            body,
+            self.stream,
+            self.prompt,
+            self.prompt_tokens,
+            encode_body(body),
+            self.caller,
         )
 
     @property
@@ -189,6 +200,7 @@ def validate_chat_request(body: dict[str, Any], role: CompiledRole) -> ChatReque
             '`stream_options` must be an object such as {"include_usage": true}.',
             param="stream_options",
         )
+    refuse_bypass(body, role)
     return ChatRequest(
         role=role,
         body=body,
@@ -196,6 +208,7 @@ def validate_chat_request(body: dict[str, Any], role: CompiledRole) -> ChatReque
         prompt=profile_prompt(messages, body.get("tools")),
         prompt_tokens=estimate_prompt_tokens(messages),
         encoded=encode_body(body),
+        caller=parse_caller_provider(body.get("provider")),
     )
 
 

@@ -22,6 +22,7 @@ from rolegate_policy.enums import Dialect
 from ..core.routing import MachineRouting
 from . import openai
 from .answers import Chunk, Completion, UpstreamError
+from .caller_provider import CallerProvider
 from .chat_request import EncodedBody
 
 
@@ -29,7 +30,11 @@ class WireProtocol(Protocol):
     def chat_url(self, endpoint: str) -> str: ...
 
     def request_body(
-        self, body: EncodedBody, model: str, routing: MachineRouting | None
+        self,
+        body: EncodedBody,
+        model: str,
+        routing: MachineRouting | None,
+        caller: CallerProvider,
     ) -> bytes: ...
 
     def request_headers(self, key: str | None, *, stream: bool) -> dict[str, str]: ...

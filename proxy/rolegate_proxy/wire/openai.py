@@ -21,6 +21,7 @@ from ..core.exclusions import is_request_fault
 from ..core.routing import MachineRouting
 from .aggregator import provider_field
 from .answers import Chunk, Completion, NotTheProtocol, UpstreamError
+from .caller_provider import CallerProvider
 from .chat_request import EncodedBody
 from .names import upstream_name
 
@@ -109,13 +110,16 @@ def chat_url(endpoint: str) -> str:
     return endpoint.rstrip("/") + "/chat/completions"
 
 
-def request_body(body: EncodedBody, model: str, routing: MachineRouting | None) -> bytes:
+def request_body(
+    body: EncodedBody, model: str, routing: MachineRouting | None, caller: CallerProvider
+) -> bytes:
     """The client's body with the role replaced by the concrete model and, for an
-    aggregator, rolegate's routing as its `provider` field (never the caller's)."""
+    aggregator, the role's routing merged with the caller's preferences as its `provider`
+    field. A provider that is its one machine gets no `provider` field: it routes nothing."""
     head = (
         {"model": model}
         if routing is None
-        else {"model": model, "provider": provider_field(routing)}
+        else {"model": model, "provider": provider_field(routing, caller)}
     )
     return body.with_head(orjson.dumps(head))
 

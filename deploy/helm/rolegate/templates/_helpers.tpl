@@ -130,3 +130,52 @@ The fewest proxy pods there will be: replicas, or the autoscaler's minReplicas.
 {{- .Values.proxy.replicas | int64 }}
 {{- end }}
 {{- end }}
+
+{{/*
+NetworkPolicy: the egress rules every rolegate pod needs, DNS and the Kubernetes API
+server (the proxy's ConfigMap watch and status writes, the operator's everything).
+*/}}
+{{- define "rolegate.networkPolicy.clusterEgress" -}}
+{{- $np := .Values.networkPolicy }}
+{{- $dns := list }}
+{{- $resolver := dict }}
+{{- with $np.dns.namespaceSelector }}{{ $_ := set $resolver "namespaceSelector" . }}{{ end }}
+{{- with $np.dns.podSelector }}{{ $_ := set $resolver "podSelector" . }}{{ end }}
+{{- if $resolver }}{{ $dns = append $dns $resolver }}{{ end }}
+{{- $dns = concat $dns ($np.dns.extraPeers | default list) }}
+{{- if not $dns }}
+{{- fail "networkPolicy.dns: name the resolver (namespaceSelector, podSelector or extraPeers); without one, no name would resolve" }}
+{{- end }}
+# DNS: the cluster's resolver, UDP and TCP 53.
+- to:
+    {{- toYaml $dns | nindent 4 }}
+  ports:
+    - port: 53
+      protocol: UDP
+    - port: 53
+      protocol: TCP
+# The Kubernetes API server, at the addresses the pod's packets reach (after the
+# `kubernetes` Service's translation: its endpoints, usually port 6443).
+- to:
+    {{- range $np.apiServer.cidrs }}
+    - ipBlock:
+        cidr: {{ . | quote }}
+    {{- end }}
+  ports:
+    {{- range $np.apiServer.ports }}
+    - port: {{ . | int64 }}
+      protocol: TCP
+    {{- end }}
+{{- end }}
+
+{{/*
+NetworkPolicy: the peers admitted to the metrics and health ports, as a JSON list
+(networkPolicy.metricsFrom). An empty list means no rule at all: a rule without peers
+would admit everyone.
+*/}}
+{{- define "rolegate.networkPolicy.metricsPeers" -}}
+{{- $from := .Values.networkPolicy.metricsFrom }}
+{{- $peers := list }}
+{{- with $from.namespaceSelector }}{{ $peers = append $peers (dict "namespaceSelector" .) }}{{ end }}
+{{- concat $peers ($from.extraPeers | default list) | toJson }}
+{{- end }}
