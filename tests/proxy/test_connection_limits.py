@@ -218,7 +218,7 @@ async def test_a_connection_over_the_bound_is_answered_503_and_closed_until_one_
         sim_server, proxy_server, max_connections=3, header_timeout_seconds=60,
         idle_timeout_seconds=60,
     )  # fmt: skip
-    server = proxy.runner.server
+    server = proxy.api.runner.server
     assert isinstance(server, GuardedServer)
     async with contextlib.AsyncExitStack() as held:
         for _ in range(3):
