@@ -196,7 +196,7 @@ def open_access() -> dict[str, Any]:
         "apiVersion": "rolegate.dev/v1alpha1",
         "kind": "AccessGrant",
         "metadata": {"name": "open", "namespace": "test"},
-        "spec": {"subjects": [{"anonymous": True}], "roles": ["*"], "admin": True},
+        "spec": {"subjects": [{"anonymous": True}], "roles": ["*"]},
     }
 
 

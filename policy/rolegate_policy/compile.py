@@ -584,8 +584,6 @@ class _GrantStage:
                     )
                 ),
                 anonymous=any(s.anonymous for s in subjects),
-                admin=spec.admin,
-                limits=spec.limits,
             )
         )
         summary = f"{_count(len(subjects), 'subject')} granted {', '.join(spec.roles)}"

@@ -17,7 +17,6 @@ from rolegate_policy.enums import BypassField, Delivery, Dialect, Ruling, Visibi
 from rolegate_policy.model import (
     BreakerSpec,
     DegradedOutputSpec,
-    LimitsSpec,
     RetrySpec,
     TimeoutsSpec,
 )
@@ -103,8 +102,6 @@ class CompiledGrant(Frozen):
     namespaces: tuple[str, ...] = ()
     api_keys: tuple[SecretRef, ...] = ()
     anonymous: bool = False
-    admin: bool = False
-    limits: LimitsSpec = LimitsSpec()
 
 
 class ProxyConfig(Frozen):

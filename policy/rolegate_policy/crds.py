@@ -230,8 +230,8 @@ RESOURCES: Final = (
         singular="accessgrant",
         short_names=("ag",),
         description=(
-            "AccessGrant says which callers may use which roles of the rolegate proxy, and "
-            "at what rate: callers that present a Kubernetes ServiceAccount token (of one "
+            "AccessGrant says which callers may use which roles of the rolegate proxy: "
+            "callers that present a Kubernetes ServiceAccount token (of one "
             "account, or of any account of a namespace), an API key kept in a Secret, or "
             "(only when a grant says so) no credential at all. A request is served only "
             "when some grant admits its caller for the role it names."
@@ -244,12 +244,6 @@ RESOURCES: Final = (
                 "type": "string",
                 "jsonPath": ".spec.roles",
                 "description": "The roles its callers may select.",
-            },
-            {
-                "name": "Admin",
-                "type": "boolean",
-                "jsonPath": ".spec.admin",
-                "description": "Whether its callers may use the admin endpoints.",
             },
             _ACCEPTED_COLUMN,
             {

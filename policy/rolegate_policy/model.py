@@ -877,31 +877,8 @@ class SubjectSpec(SpecModel):
         return self
 
 
-class LimitsSpec(SpecModel):
-    """How much a grant's callers may use, counted per proxy pod (docs/access.md)."""
-
-    requests_per_minute: int | None = Field(
-        default=None, ge=1, le=10_000_000, description="Requests per rolling minute."
-    )
-    tokens_per_minute: int | None = Field(
-        default=None,
-        ge=1,
-        le=1_000_000_000,
-        description="Input plus output tokens per rolling minute, from each answer's usage.",
-    )
-    cost_per_day: float | None = Field(
-        default=None,
-        gt=0,
-        le=1_000_000,
-        description=(
-            "Spend per UTC day, in the currency of the machines' published prices "
-            "(`priceInputPerMTok`, `priceOutputPerMTok`)."
-        ),
-    )
-
-
 class AccessGrantSpec(SpecModel):
-    """Which callers may use which roles, at what rate."""
+    """Which callers may use which roles."""
 
     subjects: list[SubjectSpec] = Field(
         min_length=1,
@@ -917,17 +894,6 @@ class AccessGrantSpec(SpecModel):
             "The roles (as in a RoleTable) its callers may select as `model`; `*` for every "
             "role, present and future."
         ),
-    )
-    admin: bool = Field(
-        default=False,
-        description=(
-            "Its callers may also use the admin endpoints: `/v1/rolegate/decisions`, "
-            "`/v1/rolegate/state` and `/v1/feedback`."
-        ),
-    )
-    limits: LimitsSpec = Field(
-        default_factory=LimitsSpec,
-        description="Per-pod limits on its callers together; none by default.",
     )
 
 

@@ -778,8 +778,23 @@ def test_rbac_rules_are_exactly_the_documented_ones(renders: dict[str, Docs]) ->
 def test_bindings_service_accounts_and_scope(renders: dict[str, Docs], case: str) -> None:
     docs = renders[case]
     name = fullname(RELEASE)
-    assert {"ClusterRole", "ClusterRoleBinding"}.isdisjoint(d["kind"] for d in docs)
-    assert all(d["metadata"].get("namespace") for d in docs), "every object is namespaced"
+    # One cluster-scoped pair only: the proxy's right to create TokenReviews.
+    cluster = [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    assert sorted(d["kind"] for d in cluster) == ["ClusterRole", "ClusterRoleBinding"]
+    (cluster_role,) = (d for d in cluster if d["kind"] == "ClusterRole")
+    assert cluster_role["rules"] == [
+        {
+            "apiGroups": ["authentication.k8s.io"],
+            "resources": ["tokenreviews"],
+            "verbs": ["create"],
+        }
+    ]
+    (cluster_binding,) = (d for d in cluster if d["kind"] == "ClusterRoleBinding")
+    assert cluster_binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": f"{name}-proxy", "namespace": NS}
+    ]
+    namespaced = [d for d in docs if d not in cluster]
+    assert all(d["metadata"].get("namespace") for d in namespaced), "all else is namespaced"
     accounts = sorted(d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount")
     assert accounts == [f"{name}-operator", f"{name}-proxy"]
     roles = {

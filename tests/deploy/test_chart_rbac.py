@@ -541,8 +541,12 @@ def test_the_chart_creates_namespaced_rbac_only_with_the_contracts_names(
     release: Release,
 ) -> None:
     manifest = release.helm("get", "manifest", release.name)
-    kinds = {doc["kind"] for doc in yaml.safe_load_all(manifest) if doc}
-    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}, kinds
+    docs = [doc for doc in yaml.safe_load_all(manifest) if doc]
+    cluster_roles = [doc for doc in docs if doc["kind"] == "ClusterRole"]
+    # The one cluster-scoped right: the proxy may create TokenReviews (docs/access.md).
+    assert [rule for doc in cluster_roles for rule in doc["rules"]] == [
+        {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]}
+    ]
     for account in (release.proxy_account, release.operator_account):
         release.kubectl("get", "serviceaccount", account)
         for namespace in release.watched:
@@ -588,6 +592,9 @@ def proxy_answers(
         (ns, ["patch", "providerpolicies.rolegate.dev", "--subresource=status"])
         for ns in release.watched
     ]
+    # Verifying callers' ServiceAccount tokens: cluster-scoped, and nothing else about
+    # authentication (docs/access.md).
+    yes += [(home, ["create", "tokenreviews.authentication.k8s.io"])]
     no: list[tuple[str, list[str]]] = []
     for ns in release.watched:
         no += [(ns, [verb, "providerpolicies.rolegate.dev"]) for verb in (
@@ -633,8 +640,11 @@ def test_the_proxy_account_is_granted_nothing_unexpected(release: Release, elsew
     expected = {release.namespace: {status, *config}}
     expected |= {ns: {status} for ns in release.watched[1:]}
     expected[elsewhere] = set()
+    # The cluster-scoped right to create TokenReviews shows in every namespace's list.
+    review = ("tokenreviews.authentication.k8s.io", "", "create")
     for namespace, wanted in expected.items():
-        assert grants(release, release.proxy_account, namespace) == wanted, namespace
+        found = grants(release, release.proxy_account, namespace)
+        assert found == wanted | {review}, namespace
 
 
 # --- 2. impersonation: the operator --------------------------------------------------------

@@ -122,7 +122,7 @@ def test_crd_names_scope_versions_and_columns(resource: Resource) -> None:
             ["Endpoint", "Secrets", "Generation", "Observed"],
         ),
         "AccessGrant": (
-            ["Roles", "Admin", "Accepted", "Reason", "Programmed", "Age"],
+            ["Roles", "Accepted", "Reason", "Programmed", "Age"],
             ["Generation", "Observed"],
         ),
     }

@@ -20,7 +20,6 @@ CODER = CompiledGrant(
     source="t",
     roles=("agent", "reflex"),
     service_accounts=("team-b/coder",),
-    admin=True,
 )
 LOCAL = CompiledGrant(name="dev/local", source="t", roles=("*",), anonymous=True)
 TOKEN = "header.payload.signature"
@@ -32,8 +31,7 @@ def test_a_namespace_grant_admits_its_accounts_to_its_roles_only() -> None:
     assert grants.admitting(caller, "agent") is AGENTS
     assert grants.admitting(caller, "batch") is None
     assert grants.admitting(Subject.service_account("team-c", "anyone"), "agent") is None
-    assert not grants.admin(caller)
-    assert grants.admin(Subject.service_account("team-b", "coder"))
+    assert grants.admitting(Subject.service_account("team-b", "coder"), "reflex") is CODER
 
 
 def test_anonymous_callers_need_a_grant_that_says_so() -> None:

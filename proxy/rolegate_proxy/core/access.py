@@ -1,8 +1,8 @@
 """Who may use which role: the compiled AccessGrants as the request path asks them.
 
 A caller is identified at the edge (a verified ServiceAccount token, an API key matched
-by its hash, or nobody) as a `Subject`; `Grants` answers which grants are for it, whether
-one admits it to a role, and whether it may use the admin endpoints. Pure: no I/O, no
+by its hash, or nobody) as a `Subject`; `Grants` answers which grants are for it and
+whether one admits it to a role. Pure: no I/O, no
 clock; built once per configuration, so a request costs a few dictionary lookups.
 """
 
@@ -105,9 +105,6 @@ class Grants:
             if role in grant.roles or EVERY_ROLE in grant.roles:
                 return grant
         return None
-
-    def admin(self, subject: Subject) -> bool:
-        return any(grant.admin for grant in self.of(subject))
 
 
 def _ref_order(ref: SecretRef) -> tuple[str, str]:

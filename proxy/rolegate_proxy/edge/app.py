@@ -17,6 +17,7 @@ from rolegate_policy.config import (
 
 from ..flow.upstream import ReuseTellingConnector, Upstreams
 from . import explain
+from .callers import KubeReviewer, cached_access
 from .calls import Call
 from .configmap_source import ConfigMapSource
 from .credentials import KeyStore
@@ -217,6 +218,8 @@ async def _config_watch(app: web.Application) -> AsyncIterator[None]:
     source.on_rejected = lambda _reason: state.metrics.config_rejected.inc()
     # Its own session: API-server TLS and long-lived watches stay out of the upstream pool.
     async with aiohttp.ClientSession() as session:
+        # ServiceAccount tokens are verified by this API server, with the same credentials.
+        state.access.use(KubeReviewer(session, cached_access(source.kubeconfig)))
         task = asyncio.create_task(source.run(session), name="rolegate-config-watch")
         yield
         task.cancel()

@@ -20,13 +20,16 @@ Nothing here logs or stores a credential.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final, Protocol
 
 import aiohttp
@@ -35,7 +38,7 @@ from rolegate_policy.config import CompiledGrant, SecretRef
 
 from ..core.access import ANONYMOUS, UNKNOWN_KEY, Grants, Subject, SubjectKind
 from ..wire.errors import ProxyError
-from .kube_api import KubeAccess, describe_error
+from .kube_api import KubeAccess, describe_error, load_access
 
 log = logging.getLogger("rolegate.proxy.callers")
 
@@ -305,3 +308,21 @@ class AccessGate:
             error_type="permission_error",
             code="role_not_granted",
         )
+
+
+def cached_access(
+    kubeconfig: Path | None, *, refresh_seconds: float = 60.0
+) -> Callable[[], Awaitable[KubeAccess]]:
+    """The API server's address and credentials for TokenReviews, re-read (in a worker
+    thread) at most once a `refresh_seconds`, so rotated tokens are picked up without a
+    file read per review."""
+    held: list[tuple[float, KubeAccess]] = []
+
+    async def access() -> KubeAccess:
+        now = time.monotonic()
+        if not held or now - held[0][0] >= refresh_seconds:
+            loaded = await asyncio.to_thread(load_access, kubeconfig)
+            held[:] = [(now, loaded)]
+        return held[0][1]
+
+    return access
