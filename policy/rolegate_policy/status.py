@@ -149,14 +149,19 @@ def rulings_summary(rulings: list[EffectiveRulingStatus]) -> str:
     return text if len(text) <= MAX_RULINGS_SUMMARY else text[: MAX_RULINGS_SUMMARY - 1] + "…"
 
 
-class RoleTableStatus(StatusModel):
-    """The state of the RoleTable as the operator last observed it. Written by the operator."""
-
-    observed_generation: int | None = Field(
+def _observed_generation() -> Any:
+    """Every kind's `status.observedGeneration`, spelled once."""
+    return Field(
         default=None,
         ge=0,
         description="The `metadata.generation` of the spec this status describes.",
     )
+
+
+class RoleTableStatus(StatusModel):
+    """The state of the RoleTable as the operator last observed it. Written by the operator."""
+
+    observed_generation: int | None = _observed_generation()
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=MAX_CONDITIONS,
@@ -357,11 +362,7 @@ class ProviderPolicyStatus(StatusModel):
     """The state of the ProviderPolicy: written by the operator (`Accepted`, `Tripped`,
     `tripped`, `trippedReason`) and by each proxy pod (its own entry of `reports`)."""
 
-    observed_generation: int | None = Field(
-        default=None,
-        ge=0,
-        description="The `metadata.generation` of the spec this status describes.",
-    )
+    observed_generation: int | None = _observed_generation()
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=MAX_CONDITIONS,
@@ -410,11 +411,7 @@ class AccessGrantStatus(StatusModel):
     """The state of the AccessGrant as the operator last observed it. Written by the
     operator."""
 
-    observed_generation: int | None = Field(
-        default=None,
-        ge=0,
-        description="The `metadata.generation` of the spec this status describes.",
-    )
+    observed_generation: int | None = _observed_generation()
     conditions: list[Condition] = Field(
         default_factory=list,
         max_length=MAX_CONDITIONS,
