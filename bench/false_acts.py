@@ -76,6 +76,12 @@ async def main(streams: int, tokens: int) -> int:
             "spec": {"roles": [{"name": "agent", "models": [MODEL], "patienceSeconds": 60,
                                 "visibility": "Watched", "expectedOutputTokens": tokens}]},
         },
+        {   # the benchmark's client calls without a credential: an explicit open grant
+            "apiVersion": "rolegate.dev/v1alpha1",
+            "kind": "AccessGrant",
+            "metadata": {"name": "bench"},
+            "spec": {"subjects": [{"anonymous": True}], "roles": ["agent"]},
+        },
     ]  # fmt: skip
     config = compile_manifests(
         [manifest_from_object(o, f"bench#{i}") for i, o in enumerate(objects)]

@@ -81,6 +81,14 @@ metadata: {{name: bench}}
 spec:
   roles:
     - {{name: bench, models: [{MODEL}], patienceSeconds: 60, visibility: Watched, ruling: Order}}
+---
+# The load generator calls without a credential: an explicit open grant.
+apiVersion: rolegate.dev/v1alpha1
+kind: AccessGrant
+metadata: {{name: bench}}
+spec:
+  subjects: [{{anonymous: true}}]
+  roles: [bench]
 """
     )
     return scenario, manifests
