@@ -74,6 +74,12 @@ _PROGRAMMED_COLUMN: Final[PrinterColumn] = {
     "jsonPath": '.status.conditions[?(@.type=="Programmed")].status',
     "description": "Whether the proxy configuration that carries the resource is written.",
 }
+_ACCEPTED_REASON_COLUMN: Final[PrinterColumn] = {
+    "name": "Reason",
+    "type": "string",
+    "jsonPath": '.status.conditions[?(@.type=="Accepted")].reason',
+    "description": "Why it is accepted or not (e.g. `NoServedModel`, `UnknownRole`).",
+}
 _AGE_COLUMN: Final[PrinterColumn] = {
     "name": "Age",
     "type": "date",
@@ -150,12 +156,7 @@ RESOURCES: Final = (
                 "description": "Each role's effective ruling and delivery.",
             },
             _ACCEPTED_COLUMN,
-            {
-                "name": "Reason",
-                "type": "string",
-                "jsonPath": '.status.conditions[?(@.type=="Accepted")].reason',
-                "description": "Why the table is accepted or not (e.g. `NoServedModel`).",
-            },
+            _ACCEPTED_REASON_COLUMN,
             _PROGRAMMED_COLUMN,
             _AGE_COLUMN,
             *_GENERATION_COLUMNS,
@@ -246,12 +247,7 @@ RESOURCES: Final = (
                 "description": "The roles its callers may select.",
             },
             _ACCEPTED_COLUMN,
-            {
-                "name": "Reason",
-                "type": "string",
-                "jsonPath": '.status.conditions[?(@.type=="Accepted")].reason',
-                "description": "Why it is accepted or not.",
-            },
+            _ACCEPTED_REASON_COLUMN,
             _PROGRAMMED_COLUMN,
             _AGE_COLUMN,
             *_GENERATION_COLUMNS,

@@ -58,7 +58,8 @@ _PORT_OUT_OF_RANGE: Final = (
 
 
 def re2(pattern: str) -> str:
-    """`pattern` as RE2 spells it: RE2 has no `\\uXXXX`, it writes `\\x{XXXX}`."""
+    """`pattern` as RE2 (the API server's CEL) spells it: Python's four-hex-digit escape
+    `\\u00a0` is written `\\x{00a0}` there."""
     return re.sub(r"\\u([0-9a-fA-F]{4})", r"\\x{\1}", pattern)
 
 
