@@ -189,15 +189,23 @@ async def outcomes(proxy: RunningProxy, count: int, within: float = 10.0) -> lis
     return await eventually(enough, what=f"{count} outcomes in the decision log", within=within)
 
 
-def open_access() -> dict[str, Any]:
-    """What a local setup declares to let anyone call every role: an AccessGrant with an
-    explicit anonymous subject (without one, a caller with no credential is refused)."""
+def access_grant(
+    name: str, subjects: list[dict[str, Any]], roles: list[str], **spec: Any
+) -> dict[str, Any]:
+    """An AccessGrant in namespace `test`; `spec` adds `limits`, `admin`."""
     return {
         "apiVersion": "rolegate.dev/v1alpha1",
         "kind": "AccessGrant",
-        "metadata": {"name": "open", "namespace": "test"},
-        "spec": {"subjects": [{"anonymous": True}], "roles": ["*"]},
+        "metadata": {"name": name, "namespace": "test"},
+        "spec": {"subjects": subjects, "roles": roles, **spec},
     }
+
+
+def open_access() -> dict[str, Any]:
+    """What a local setup declares to let anyone call every role and read the explanations:
+    an AccessGrant with an explicit anonymous subject and `admin: true` (without one, a
+    caller with no credential is refused)."""
+    return access_grant("open", [{"anonymous": True}], ["*"], admin=True)
 
 
 def compile_objects(objects: list[dict[str, Any]]) -> ProxyConfig:

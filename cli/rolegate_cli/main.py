@@ -93,8 +93,9 @@ def _parser() -> argparse.ArgumentParser:
         "--admin-token-file",
         type=Path,
         default=None,
-        help="a file holding the admin token: /v1/rolegate/decisions and /state require it, "
-        "and /v1/feedback is enabled only with one",
+        help="a file holding the admin token, which admits to /v1/rolegate/decisions, /state "
+        "and /v1/feedback (as does an AccessGrant with admin: true; without either they are "
+        "closed)",
     )
     proxy.add_argument(
         "--outcome-export",
@@ -167,6 +168,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="S",
         help="close a kept-alive client connection idle this long between requests; keep "
         "it above the idle timeout of a load balancer in front (default: 75)",
+    )
+    proxy.add_argument(
+        "--token-cache-seconds",
+        type=_positive_float,
+        default=60.0,
+        metavar="S",
+        help="trust a ServiceAccount token's TokenReview verdict this long: a deleted "
+        "account is refused at most this long after the API server stops accepting its "
+        "token (default: 60)",
     )
     proxy.add_argument(
         "--max-connections",
@@ -451,6 +461,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         body_timeout_seconds=args.body_timeout_seconds,
         idle_timeout_seconds=args.idle_timeout_seconds,
         max_connections=args.max_connections,
+        token_cache_seconds=args.token_cache_seconds,
     )
     try:
         serve(settings, config, source)

@@ -523,6 +523,23 @@ def _no_served_model(index: int, role: RoleSpec) -> FieldError:
     )
 
 
+def _grant_summary(subjects: int, spec: AccessGrantSpec) -> str:
+    """What an accepted grant gives, for its Accepted condition's message."""
+    gives = [f"roles {', '.join(spec.roles)}"] if spec.roles else []
+    if spec.admin:
+        gives.append("admin")
+    summary = f"{_count(subjects, 'subject')} granted {' and '.join(gives)}"
+    limits = spec.limits
+    if limits is not None:
+        figures = [
+            f"{limits.requests_per_minute} requests/min" if limits.requests_per_minute else "",
+            f"{limits.tokens_per_minute} tokens/min" if limits.tokens_per_minute else "",
+            f"{limits.cost_per_day_usd:g} USD/day" if limits.cost_per_day_usd else "",
+        ]
+        summary += f", limited to {', '.join(f for f in figures if f)} per proxy pod"
+    return summary
+
+
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}" + ("" if number == 1 else "s")
 
@@ -557,7 +574,7 @@ class _GrantStage:
         if unknown:
             return _rejected(manifest, AcceptedReason.UNKNOWN_ROLE, unknown)
         namespace = manifest.namespace or ""
-        subjects = spec.subjects
+        subjects, limits = spec.subjects, spec.limits
         self.compiled.append(
             CompiledGrant(
                 name=f"{namespace}/{manifest.name}",
@@ -584,9 +601,13 @@ class _GrantStage:
                     )
                 ),
                 anonymous=any(s.anonymous for s in subjects),
+                requests_per_minute=limits.requests_per_minute if limits else None,
+                tokens_per_minute=limits.tokens_per_minute if limits else None,
+                cost_per_day_usd=limits.cost_per_day_usd if limits else None,
+                admin=spec.admin,
             )
         )
-        summary = f"{_count(len(subjects), 'subject')} granted {', '.join(spec.roles)}"
+        summary = _grant_summary(len(subjects), spec)
         return _verdict(
             manifest,
             accepted=True,

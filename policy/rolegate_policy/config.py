@@ -102,6 +102,19 @@ class CompiledGrant(Frozen):
     namespaces: tuple[str, ...] = ()
     api_keys: tuple[SecretRef, ...] = ()
     anonymous: bool = False
+    # Limits its callers share (None: no limit of that kind).
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    cost_per_day_usd: float | None = None
+    admin: bool = False
+
+    @property
+    def limited(self) -> bool:
+        return (
+            self.requests_per_minute is not None
+            or self.tokens_per_minute is not None
+            or self.cost_per_day_usd is not None
+        )
 
 
 class ProxyConfig(Frozen):

@@ -877,8 +877,83 @@ class SubjectSpec(SpecModel):
         return self
 
 
+class GrantLimits(SpecModel):
+    """How much a grant's callers may use, together. Each proxy pod counts on its own: with
+    N replicas the callers may reach up to N times a figure (docs/access.md)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "has(self.requestsPerMinute) || has(self.tokensPerMinute) || "
+                    "has(self.costPerDayUSD)",
+                    "`limits` must set at least one of `requestsPerMinute`, "
+                    "`tokensPerMinute` or `costPerDayUSD`",
+                )
+            ]
+        }
+    )
+
+    requests_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description=(
+            "Requests a minute, refilled continuously (a token bucket of this size): a burst "
+            "of this many, then one every 60/N seconds."
+        ),
+    )
+    tokens_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000_000,
+        description=(
+            "Input plus output tokens a minute, from each answer's usage, refilled "
+            "continuously. Counted when an answer ends, so requests already running when "
+            "the allowance runs out may overshoot it; the next request waits."
+        ),
+    )
+    cost_per_day_usd: float | None = Field(
+        default=None,
+        alias="costPerDayUSD",
+        gt=0,
+        le=1e9,
+        description=(
+            "US dollars a day, from the serving machine's published prices "
+            "(`priceInputPerMTok`, `priceOutputPerMTok`), refilled continuously at a 24th "
+            "of it an hour. An unpriced machine's answers cost nothing here."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _some_limit(self) -> GrantLimits:
+        if (
+            self.requests_per_minute is None
+            and self.tokens_per_minute is None
+            and self.cost_per_day_usd is None
+        ):
+            raise ValueError(
+                "`limits` must set at least one of `requestsPerMinute`, `tokensPerMinute` or "
+                "`costPerDayUSD`"
+            )
+        return self
+
+
 class AccessGrantSpec(SpecModel):
-    """Which callers may use which roles."""
+    """Which callers may use which roles, how much, and whether they may administer the
+    proxy."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                _cel(
+                    "(has(self.roles) && size(self.roles) > 0) || (has(self.admin) && self.admin)",
+                    "`roles` must name at least one role unless `admin` is true",
+                    field_path=".roles",
+                )
+            ]
+        }
+    )
 
     subjects: list[SubjectSpec] = Field(
         min_length=1,
@@ -887,7 +962,7 @@ class AccessGrantSpec(SpecModel):
         description="The callers this grant is for.",
     )
     roles: list[GrantedRole] = Field(
-        min_length=1,
+        default_factory=list,
         max_length=256,
         json_schema_extra={"x-kubernetes-list-type": "set"},
         description=(
@@ -895,6 +970,29 @@ class AccessGrantSpec(SpecModel):
             "role, present and future."
         ),
     )
+    limits: GrantLimits | None = Field(
+        default=None,
+        description=(
+            "What the grant's callers may use together; without it, no limit. A caller over "
+            "a limit is answered 429 with `Retry-After`."
+        ),
+    )
+    admin: bool = Field(
+        default=False,
+        description=(
+            "`true`: its callers may also read `/v1/rolegate/decisions` and "
+            "`/v1/rolegate/state` and post `/v1/feedback` (routing metadata and judgments, "
+            "never content)."
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _grants_something(self) -> AccessGrantSpec:
+        if not self.roles and not self.admin:
+            raise SpecRuleError(
+                [(("roles",), "`roles` must name at least one role unless `admin` is true")]
+            )
+        return self
 
 
 SPEC_MODELS: Final[dict[str, type[SpecModel]]] = {

@@ -632,14 +632,15 @@ def test_proxy_connection_limits_render_as_flags() -> None:
             "proxy.bodyTimeoutSeconds=0.5",
             "proxy.idleTimeoutSeconds=620",
             "proxy.maxConnections=100",
+            "proxy.tokenCacheSeconds=12.5",
         ],
     )  # fmt: skip
     args = container(docs, "proxy")["args"]
     flags = (
         "--header-timeout-seconds", "--body-timeout-seconds", "--idle-timeout-seconds",
-        "--max-connections",
+        "--max-connections", "--token-cache-seconds",
     )  # fmt: skip
-    assert [args[args.index(flag) + 1] for flag in flags] == ["2.5", "0.5", "620", "100"]
+    assert [args[args.index(flag) + 1] for flag in flags] == ["2.5", "0.5", "620", "100", "12.5"]
 
 
 def test_proxy_deployment(renders: dict[str, Docs]) -> None:
@@ -655,7 +656,7 @@ def test_proxy_deployment(renders: dict[str, Docs]) -> None:
         "--shutdown-grace-seconds", "30", "--max-body-bytes", "4194304",
         "--header-timeout-seconds", "10", "--body-timeout-seconds", "30",
         "--idle-timeout-seconds", "75", "--max-connections", "4096",
-        "--status-heartbeat-seconds", "30",
+        "--token-cache-seconds", "60", "--status-heartbeat-seconds", "30",
     ]  # fmt: skip
     # The probes, like Prometheus, use the metrics port (9090), never the API's.
     assert each["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}

@@ -25,7 +25,7 @@ import yaml
 
 from rolegate_cli.controlplane import ControlPlane
 
-from ..support import open_access, provider_policy, role, role_table
+from ..support import access_grant, provider_policy, role, role_table
 from .conftest import SECRETS_DIR
 from .test_chart_rbac import (
     Process,
@@ -46,7 +46,10 @@ KEY_SECRET = "canary-router-key"
 KEY_CANARY = "sk-canary-chart-4e7b1d90"
 ADMIN_SECRET = "canary-admin"
 ADMIN_CANARY = "admin-canary-chart-93af"
-CANARIES = (KEY_CANARY, ADMIN_CANARY)
+# A caller outside the cluster: its API key lives in a Secret, named by an AccessGrant.
+CALLER_SECRET = "canary-caller-key"
+CALLER_CANARY = "sk-caller-canary-chart-61c2"
+CANARIES = (KEY_CANARY, ADMIN_CANARY, CALLER_CANARY)
 PROMPT: Any = [{"role": "user", "content": "plain prompt"}]
 
 
@@ -56,7 +59,11 @@ def release(crds: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Rel
     default), with the key's Secret and the admin token's Secret created first, as a user
     would: `kubectl create secret generic ...` and then `helm install`."""
     namespace = fresh_namespace(crds, "canary")
-    secrets = {KEY_SECRET: f"apiKey={KEY_CANARY}", ADMIN_SECRET: f"token={ADMIN_CANARY}"}
+    secrets = {
+        KEY_SECRET: f"apiKey={KEY_CANARY}",
+        ADMIN_SECRET: f"token={ADMIN_CANARY}",
+        CALLER_SECRET: f"key={CALLER_CANARY}",
+    }
     for name, literal in secrets.items():
         crds.kubectl(
             "-n", namespace, "create", "secret", "generic", name, f"--from-literal={literal}"
@@ -64,7 +71,7 @@ def release(crds: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Rel
     values = {
         "operator": {"logLevel": "debug"},
         "proxy": {
-            "apiKeySecrets": [KEY_SECRET],
+            "apiKeySecrets": [KEY_SECRET, CALLER_SECRET],
             "adminTokenSecret": {"name": ADMIN_SECRET, "key": "token"},
             "logLevel": "debug",
             "statusHeartbeatSeconds": 2,
@@ -78,8 +85,9 @@ def release(crds: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Rel
 
 @pytest.fixture
 def stack(release: Release, tmp_path: Path) -> Iterator[Stack]:
-    """The simulator, a ProviderPolicy that names the key's Secret, a RoleTable, and the
-    operator and the proxy as the chart runs them."""
+    """The simulator, a ProviderPolicy that names the key's Secret, a RoleTable, an
+    AccessGrant for the caller's key, and the operator and the proxy as the chart runs
+    them."""
     started: list[Process] = []
     try:
         sim, sim_url = start_sim([MODEL], tmp_path)
@@ -88,7 +96,10 @@ def stack(release: Release, tmp_path: Path) -> Iterator[Stack]:
             "canary-router", f"{sim_url}/v1", {MODEL: ["m1"]},
             apiKeySecretRef={"name": KEY_SECRET, "key": "apiKey"},
         )  # fmt: skip
-        for manifest in (policy, role_table(role("agent", [MODEL])), open_access()):
+        callers = access_grant(
+            "callers", [{"apiKeySecretRef": {"name": CALLER_SECRET, "key": "key"}}], ["agent"]
+        )
+        for manifest in (policy, role_table(role("agent", [MODEL])), callers):
             manifest["metadata"]["namespace"] = release.namespace
             release.apply(manifest)
         yield start_components(release, sim_url, tmp_path, started)
@@ -190,8 +201,16 @@ def test_the_key_reaches_the_provider_through_the_mount_and_leaks_nowhere(stack:
     leaked_vars = [v for env in environ.values() for v in env if v.startswith("ROLEGATE_SECRET_")]
     assert not leaked_vars
 
-    # Traffic: a plain answer, a streamed one, and an upstream failure (an error path).
+    # The caller's key arrived through its mounted Secret: it admits, nothing else does.
     with openai.OpenAI(base_url=f"{stack.proxy_url}/v1", api_key="x", max_retries=0) as ai:
+        with pytest.raises(openai.AuthenticationError) as refused:
+            ai.chat.completions.create(model="agent", messages=PROMPT)
+        assert refused.value.code == "invalid_api_key"
+    caller = {"Authorization": f"Bearer {CALLER_CANARY}"}
+    # Traffic: a plain answer, a streamed one, and an upstream failure (an error path).
+    with openai.OpenAI(
+        base_url=f"{stack.proxy_url}/v1", api_key=CALLER_CANARY, max_retries=0
+    ) as ai:
         answer = ai.chat.completions.create(model="agent", messages=PROMPT)
         assert answer.choices[0].message.content
         stream = ai.chat.completions.create(model="agent", messages=PROMPT, stream=True)
@@ -200,6 +219,7 @@ def test_the_key_reaches_the_provider_through_the_mount_and_leaks_nowhere(stack:
     failed = httpx.post(
         f"{stack.proxy_url}/v1/chat/completions",
         json={"model": "agent", "messages": PROMPT},
+        headers=caller,
         timeout=30,
     )
     assert failed.status_code >= 500
@@ -214,11 +234,13 @@ def test_the_key_reaches_the_provider_through_the_mount_and_leaks_nowhere(stack:
     admin = {"Authorization": f"Bearer {ADMIN_CANARY}"}
     surfaces = Surfaces({})
     with httpx.Client(base_url=stack.proxy_url, timeout=10) as client:
-        # The admin token arrived through its mounted Secret: the endpoints need it.
+        # The admin token arrived through its mounted Secret: the endpoints need it (a
+        # caller's key is no admin right).
         assert client.get("/v1/rolegate/decisions").status_code == 401
+        assert client.get("/v1/rolegate/decisions", headers=caller).status_code == 403
         decisions = client.get("/v1/rolegate/decisions", headers=admin)
         assert decisions.status_code == 200
-        assert "agent" in decisions.text
+        assert '"grant": "' + release.namespace + '/callers"' in decisions.text
         surfaces.add("/v1/rolegate/decisions", decisions.text)
         surfaces.add("/v1/rolegate/state", client.get("/v1/rolegate/state", headers=admin).text)
         # The chart's proxy serves /metrics on its metrics port only.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +23,11 @@ from .processes import ready, start_cli, stop
 
 MODEL = "vendor/model-a"
 PROMPT = [{"role": "user", "content": "plain ascii prompt"}]
+# The proxy's trust in a TokenReview verdict (`--token-cache-seconds`), short for the test.
+TOKEN_TTL = 3.0
+# How long the API server itself keeps accepting a deleted account's token: its token
+# authenticator caches successful verdicts for 10 s.
+API_SERVER_LAG = 10.0
 
 
 @dataclass
@@ -78,6 +84,7 @@ async def stack(crds: ControlPlane, namespace: str, sim_server: SimFactory) -> A
         processes.append(
             await start_cli(
                 *("proxy", "--configmap", f"{namespace}/rolegate-config", "--port", str(port)),
+                *("--token-cache-seconds", str(TOKEN_TTL)),
                 *kube,
                 env={"POD_NAME": "proxy-a"},
             )
@@ -117,3 +124,27 @@ async def test_a_service_account_token_is_served_its_granted_role_only(stack: St
     assert anonymous.status_code == 401
     assert "agent" not in anonymous.json()["error"]["message"]
     assert "batch" not in anonymous.json()["error"]["message"]
+
+
+async def test_a_deleted_service_account_is_refused_within_the_cache_ttl(stack: Stack) -> None:
+    coder = await asyncio.to_thread(stack.token, "coder")
+
+    async def served() -> bool:
+        return (await stack.call("agent", coder)).status_code == 200
+
+    await eventually(served, what="the granted role served", within=30)
+    await asyncio.to_thread(
+        stack.plane.kubectl, "-n", stack.namespace, "delete", "serviceaccount", "coder"
+    )
+    deleted = time.monotonic()
+
+    async def refused() -> httpx.Response | None:
+        response = await stack.call("agent", coder)
+        return response if response.status_code == 401 else None
+
+    # Polled, not slept: the bound is what the proxy promises on top of the API server.
+    response = await eventually(
+        refused, what="the deleted account refused", within=TOKEN_TTL + API_SERVER_LAG + 10
+    )
+    assert time.monotonic() - deleted <= TOKEN_TTL + API_SERVER_LAG + 2
+    assert "not accepted" in response.json()["error"]["message"]

@@ -157,6 +157,15 @@ def _provider(**spec: Any) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _grant(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "rolegate.dev/v1alpha1",
+        "kind": "AccessGrant",
+        "metadata": {"name": "bad"},
+        "spec": {"subjects": [{"namespace": "team-a"}], "roles": ["agent"], **spec},
+    }
+
+
 def _edit(obj: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     obj = copy.deepcopy(obj)
     change(obj["spec"])
@@ -278,6 +287,14 @@ INVALID = [
             "spec.endpoint", "`endpoint` must not have a query string"),
     Invalid("missing-endpoint", _edit(_provider(), lambda s: s.pop("endpoint")),
             "spec.endpoint", "Required value"),
+    Invalid("grant-of-nothing", _grant(roles=[]),
+            "spec.roles", "`roles` must name at least one role unless `admin` is true"),
+    Invalid("grant-limits-empty", _grant(limits={}),
+            "spec.limits", "`limits` must set at least one of `requestsPerMinute`"),
+    Invalid("grant-limit-zero", _grant(limits={"requestsPerMinute": 0}),
+            "spec.limits.requestsPerMinute", "should be greater than or equal to 1"),
+    Invalid("grant-budget-negative", _grant(limits={"costPerDayUSD": -5}),
+            "spec.limits.costPerDayUSD", "should be greater than 0"),
 ]  # fmt: skip
 
 
@@ -518,6 +535,36 @@ def test_kubectl_get_shows_the_printer_columns(crds: ControlPlane, namespace: st
     stored = get_json(crds, namespace, "providerpolicy", "sim-router")
     assert stored["metadata"]["generation"] == 1
     assert stored["status"]["reports"][0]["breakers"][0]["state"] == "Open"
+
+
+def test_access_grants_show_roles_admin_and_in_wide_output_their_limits(
+    crds: ControlPlane, namespace: str
+) -> None:
+    """The worked example of docs/access.md, as the API server stores and prints it."""
+    grants = [
+        _edit(_grant(), lambda s: s.update(roles=["batch"], limits={"costPerDayUSD": 20,
+                                                                    "requestsPerMinute": 60})),
+        _edit(_grant(), lambda s: s.update(roles=[], admin=True)),
+    ]  # fmt: skip
+    for grant, name in zip(grants, ("nightly-batch", "oncall"), strict=True):
+        grant["metadata"]["name"] = name
+        apply(crds, namespace, grant)
+        patch_status(crds, namespace, f"accessgrant/{name}", {
+            "observedGeneration": 1,
+            "conditions": [_condition("Accepted", "True", "Accepted"),
+                           _condition("Programmed", "True", "Programmed")],
+        })  # fmt: skip
+    rows = _show(crds, namespace, "ag")
+    assert list(rows[0]) == ["NAME", "ROLES", "ADMIN", "ACCEPTED", "REASON", "PROGRAMMED", "AGE"]
+    assert [(row["NAME"], row["ROLES"], row["ADMIN"]) for row in rows] == [
+        ("nightly-batch", '["batch"]', "false"),
+        ("oncall", "[]", "true"),
+    ]
+    wide = _show(crds, namespace, "ag", "-o", "wide")
+    assert [row["LIMITS"] for row in wide] == [
+        '{"costPerDayUSD":20,"requestsPerMinute":60}',
+        "",
+    ]
 
 
 def test_wide_output_adds_generations_the_message_the_endpoint_and_secrets(

@@ -122,8 +122,8 @@ def test_crd_names_scope_versions_and_columns(resource: Resource) -> None:
             ["Endpoint", "Secrets", "Generation", "Observed"],
         ),
         "AccessGrant": (
-            ["Roles", "Accepted", "Reason", "Programmed", "Age"],
-            ["Generation", "Observed"],
+            ["Roles", "Admin", "Accepted", "Reason", "Programmed", "Age"],
+            ["Generation", "Observed", "Limits"],
         ),
     }
     assert (shown, wide) == expected[resource.kind]

@@ -26,7 +26,8 @@ def test_examples_compile_cleanly() -> None:
     assert document["config"]["hash"].startswith("sha256:")
     assert stdout.startswith('{\n  "config": {\n')  # pretty, 2-space, keys sorted
     assert stderr.splitlines()[:2] == [
-        "✓ AccessGrant rolegate/local-open-access (access.yaml): accepted; 1 subject granted *",
+        "✓ AccessGrant rolegate/local-open-access (access.yaml): accepted; 1 subject granted "
+        "roles *",
         "✓ ProviderPolicy rolegate/sim-router (providers.yaml): accepted; 2 models on 5 "
         "machines (Aggregator dialect)",
     ]

@@ -28,15 +28,23 @@ TOKEN = "header.payload.signature"
 def test_a_namespace_grant_admits_its_accounts_to_its_roles_only() -> None:
     grants = Grants([AGENTS, CI, CODER])
     caller = Subject.service_account("team-a", "anyone")
-    assert grants.admitting(caller, "agent") is AGENTS
-    assert grants.admitting(caller, "batch") is None
-    assert grants.admitting(Subject.service_account("team-c", "anyone"), "agent") is None
-    assert grants.admitting(Subject.service_account("team-b", "coder"), "reflex") is CODER
+    assert grants.admitting(caller, "agent") == (AGENTS,)
+    assert grants.admitting(caller, "batch") == ()
+    assert grants.admitting(Subject.service_account("team-c", "anyone"), "agent") == ()
+    assert grants.admitting(Subject.service_account("team-b", "coder"), "reflex") == (CODER,)
 
 
 def test_anonymous_callers_need_a_grant_that_says_so() -> None:
-    assert Grants([AGENTS, CI]).admitting(ANONYMOUS, "agent") is None
-    assert Grants([LOCAL]).admitting(ANONYMOUS, "anything") is LOCAL
+    assert Grants([AGENTS, CI]).admitting(ANONYMOUS, "agent") == ()
+    assert Grants([LOCAL]).admitting(ANONYMOUS, "anything") == (LOCAL,)
+
+
+def test_only_a_grant_with_admin_lets_its_subjects_administer() -> None:
+    ops = CompiledGrant(name="ops/ops", source="t", roles=(), admin=True, namespaces=("ops",))
+    grants = Grants([AGENTS, LOCAL, ops])
+    assert grants.administers(Subject.service_account("ops", "oncall"))
+    assert not grants.administers(Subject.service_account("team-a", "anyone"))
+    assert not grants.administers(ANONYMOUS)
 
 
 def test_an_api_key_matches_by_digest_and_nothing_else_does() -> None:

@@ -45,7 +45,7 @@ BAD_BODIES: list[tuple[bytes, int, str, str]] = [
         b'{"messages": [{"role": "user", "content": "x"}]}',
         400,
         "missing_model",
-        "known roles: agent, batch",
+        "your roles: agent, batch",
     ),
     (b'{"model": "agent"}', 400, "invalid_messages", "`messages` is required"),
     (b'{"model": "agent", "messages": ["hi"]}', 400, "invalid_messages", "messages[0]"),
@@ -59,7 +59,7 @@ BAD_BODIES: list[tuple[bytes, int, str, str]] = [
         b'{"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}',
         404,
         "unknown_role",
-        "Known roles: agent, batch",
+        "Your roles: agent, batch",
     ),
 ]
 

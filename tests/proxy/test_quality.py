@@ -17,6 +17,7 @@ import pytest
 from ..support import (
     ProxyFactory,
     SimFactory,
+    access_grant,
     outcomes,
     provider_policy,
     role,
@@ -59,10 +60,19 @@ async def _two_providers(
     cheap = await sim_server({"seed": 1, "models": [{"name": MODEL, "machines": [{"name": "m"}]}]})
     dear = await sim_server({"seed": 2, "models": [{"name": MODEL, "machines": [{"name": "m"}]}]})
     proxy = await proxy_server(
-        [_direct("cheap", cheap.url, price=1), _direct("dear", dear.url, price=2), _agent()],
+        [
+            _direct("cheap", cheap.url, price=1),
+            _direct("dear", dear.url, price=2),
+            _agent(),
+            CALLERS,
+        ],
         **settings,
     )
     return proxy.url, cheap.url, dear.url
+
+
+# Anyone may ask; only the admin token (or an admin grant) may judge or read the state.
+CALLERS = access_grant("callers", [{"anonymous": True}], ["*"])
 
 
 async def _ask(client: httpx.AsyncClient, url: str, request_id: str) -> httpx.Response:
@@ -151,9 +161,9 @@ async def outcomes_for(client: httpx.AsyncClient, url: str, count: int) -> None:
     ("headers", "body", "status", "code", "param"),
     [
         ({}, {"request_id": "req-1", "score": 1, "evaluator": "j"}, 401,
-         "admin_token_required", None),
+         "invalid_api_key", None),
         ({"Authorization": "Bearer wrong"}, {"request_id": "req-1", "score": 1,
-                                             "evaluator": "j"}, 401, "admin_token_required", None),
+                                             "evaluator": "j"}, 401, "invalid_api_key", None),
         (ADMIN, {"request_id": "nope", "score": 1, "evaluator": "j"}, 404, "unknown_request",
          "request_id"),
         (ADMIN, {"request_id": "req-1", "score": 7, "scale": [1, 5], "evaluator": "j"}, 400,
@@ -238,19 +248,27 @@ async def outcomes_for_proxy(url: str, client: httpx.AsyncClient) -> None:
     await outcomes_for(client, url, 1)
 
 
-async def test_without_an_admin_token_feedback_is_disabled(
+async def test_without_admin_rights_feedback_and_state_are_refused(
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
+    """No admin token and no admin grant: the admin endpoints are closed (never open by
+    default), and the refusal says both ways in."""
     url, _, _ = await _two_providers(sim_server, proxy_server)
     async with httpx.AsyncClient() as client:
         await _ask(client, url, "req-1")
-        response = await client.post(
-            f"{url}/v1/feedback", json={"request_id": "req-1", "score": 1, "evaluator": "j"}
-        )
-    assert response.status_code == 403
-    error = response.json()["error"]
-    assert error["code"] == "feedback_disabled"
-    assert "--admin-token-file" in error["message"]
+        refused = [
+            await client.post(
+                f"{url}/v1/feedback", json={"request_id": "req-1", "score": 1, "evaluator": "j"}
+            ),
+            await client.get(f"{url}/v1/rolegate/state"),
+            await client.get(f"{url}/v1/rolegate/decisions"),
+        ]
+    for response in refused:
+        assert response.status_code == 401
+        error = response.json()["error"]
+        assert error["code"] == "invalid_api_key"
+        assert "--admin-token-file" in error["message"]
+        assert "admin: true" in error["message"]
 
 
 # Keeps the breaker out of the way: these tests are about the score (slow drift), not trips.

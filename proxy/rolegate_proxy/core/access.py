@@ -8,7 +8,7 @@ clock; built once per configuration, so a request costs a few dictionary lookups
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
@@ -99,12 +99,22 @@ class Grants:
             ]
         return tuple(sorted({grant.name: grant for grant in found}.values(), key=_by_name))
 
-    def admitting(self, subject: Subject, role: str) -> CompiledGrant | None:
-        """The first grant (in name order) that admits `subject` to `role`, if any."""
-        for grant in self.of(subject):
-            if role in grant.roles or EVERY_ROLE in grant.roles:
-                return grant
-        return None
+    def admitting(self, subject: Subject, role: str) -> tuple[CompiledGrant, ...]:
+        """Every grant that admits `subject` to `role`, in name order."""
+        return tuple(
+            grant for grant in self.of(subject) if role in grant.roles or EVERY_ROLE in grant.roles
+        )
+
+    def roles_for(self, subject: Subject, roles: Iterable[str]) -> tuple[str, ...]:
+        """Those of `roles` some grant admits `subject` to, in their order."""
+        granted = {role for grant in self.of(subject) for role in grant.roles}
+        if EVERY_ROLE in granted:
+            return tuple(roles)
+        return tuple(role for role in roles if role in granted)
+
+    def administers(self, subject: Subject) -> bool:
+        """Whether a grant lets `subject` read the proxy's explanations and judge."""
+        return any(grant.admin for grant in self.of(subject))
 
 
 def _ref_order(ref: SecretRef) -> tuple[str, str]:

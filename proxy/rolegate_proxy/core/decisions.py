@@ -27,6 +27,8 @@ class Decision:
     started_at: float
     stream: bool = False
     patience_seconds: float | None = None
+    # The AccessGrant the request is counted against (`namespace/name`).
+    grant: str | None = None
     started_wall: float = field(default_factory=time.time)
     arms: list[Arm] = field(default_factory=list)
     skips: list[Skip] = field(default_factory=list)
@@ -92,6 +94,7 @@ class Decision:
             ttft_seconds=ttft,
             ruling=self.ruling,
             patience_seconds=self.patience_seconds,
+            grant=self.grant,
             provider=self.served_provider,
             model=self.served_model,
             machine=self.served_machine,

@@ -131,6 +131,8 @@ class Outcome:
     ruling: str | None = None
     # The role's patience (a late answer is scored by how late it was).
     patience_seconds: float | None = None
+    # The AccessGrant the request was counted against (`namespace/name`).
+    grant: str | None = None
     provider: str | None = None
     model: str | None = None
     machine: str | None = None
@@ -147,6 +149,11 @@ class Outcome:
     config_hash: str = ""
     error_code: str | None = None
 
+    @property
+    def tokens(self) -> int:
+        """Input plus output tokens (0 for what was not counted)."""
+        return (self.tokens_in or 0) + (self.tokens_out or 0)
+
     def as_json(self) -> dict[str, Any]:
         """The record as JSON-ready data (enums as their values)."""
         return {
@@ -160,6 +167,7 @@ class Outcome:
             "ttft_seconds": self.ttft_seconds,
             "ruling": self.ruling,
             "patience_seconds": self.patience_seconds,
+            "grant": self.grant,
             "provider": self.provider,
             "model": self.model,
             "machine": self.machine,

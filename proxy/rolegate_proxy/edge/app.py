@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from rolegate_policy.config import (
@@ -16,6 +16,7 @@ from rolegate_policy.config import (
 )
 
 from ..flow.upstream import ReuseTellingConnector, Upstreams
+from ..wire.errors import ProxyError
 from . import explain
 from .callers import KubeReviewer, cached_access
 from .calls import Call
@@ -232,7 +233,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    config = request.app[STATE].config
+    """The roles the caller may use (never the others: which roles exist is not an
+    unknown caller's business)."""
+    state = request.app[STATE]
+    config = state.config
+    try:
+        subject = await state.access.identify(request.headers.get(hdrs.AUTHORIZATION))
+        state.access.may_use_some_role(subject)
+    except ProxyError as error:
+        return error.response()
+    granted = set(state.access.roles_of(subject, config))
     return web.json_response(
         {
             "object": "list",
@@ -250,6 +260,7 @@ async def list_models(request: web.Request) -> web.Response:
                     },
                 }
                 for role in config.roles
+                if role.name in granted
             ],
         }
     )

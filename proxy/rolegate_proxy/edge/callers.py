@@ -34,9 +34,11 @@ from typing import Any, Final, Protocol
 
 import aiohttp
 
-from rolegate_policy.config import CompiledGrant, SecretRef
+from rolegate_policy.config import CompiledGrant, ProxyConfig, SecretRef
 
 from ..core.access import ANONYMOUS, UNKNOWN_KEY, Grants, Subject, SubjectKind
+from ..core.allowance import LIMIT_FIELDS, Allowances, Limited
+from ..core.outcomes import Outcome
 from ..wire.errors import ProxyError
 from .kube_api import KubeAccess, describe_error, load_access
 
@@ -266,15 +268,26 @@ class AccessGate:
     read), and may they use this role (`authorize`). Rebuilt, off the request path, on
     every configuration swap and key refresh."""
 
-    def __init__(self, reviewer: Reviewer, *, monotonic: Callable[[], float]) -> None:
+    def __init__(
+        self, reviewer: Reviewer, *, monotonic: Callable[[], float], ttl: float = 60.0
+    ) -> None:
         self.grants = Grants(())
+        self.allowances = Allowances()
         self._api_keys = ApiKeys({})
-        self.authenticator = Authenticator(lambda: self._api_keys, reviewer, monotonic=monotonic)
+        self._monotonic = monotonic
+        self.authenticator = Authenticator(
+            lambda: self._api_keys,
+            reviewer,
+            monotonic=monotonic,
+            ttl=ttl,
+            max_stale=max(600.0, 10 * ttl),
+        )
 
     def reload(
         self, grants: Sequence[CompiledGrant], key_for: Callable[[SecretRef], str | None]
     ) -> None:
         self.grants = Grants(grants)
+        self.allowances.configure(grants, self._monotonic())
         self._api_keys = known_keys(self.grants.api_keys, key_for)
 
     def use(self, reviewer: Reviewer) -> None:
@@ -285,29 +298,107 @@ class AccessGate:
     async def identify(self, authorization: str | None) -> Subject:
         return await self.authenticator.subject(authorization)
 
-    def authorize(self, subject: Subject, role: str) -> CompiledGrant:
-        """The grant admitting `subject` to `role`; raises 401 for an anonymous caller no
-        grant admits (without naming any role), 403 for a known one, naming both."""
-        grant = self.grants.admitting(subject, role)
-        if grant is not None:
-            return grant
-        if subject == UNKNOWN_KEY:
-            raise unauthenticated(
-                "The bearer credential is not a known API key (a ServiceAccount token "
-                "would be a JWT); check the key, or ask for one to be granted."
+    def authorize(self, subject: Subject, role: str) -> Admission:
+        """The grant admitting `subject` to `role`, and whether its limits refuse the
+        request now. When several grants admit it, the first (in name order) with room
+        left is charged. Raises 401 for an anonymous caller no grant admits (without
+        naming any role), 403 for a known one, naming both."""
+        grants = self.grants.admitting(subject, role)
+        if not grants:
+            raise not_admitted(subject, f"is not granted role {role}", f"with role {role}")
+        now = self._monotonic()
+        refusal: Limited | None = None
+        for grant in grants:
+            limited = self.allowances.admit(grant.name, now)
+            if limited is None:
+                return Admission(grant, None)
+            if refusal is None or limited.retry_after < refusal.retry_after:
+                refusal = limited
+        assert refusal is not None
+        return Admission(next(g for g in grants if g.name == refusal.grant), refusal)
+
+    def may_use_some_role(self, subject: Subject) -> None:
+        """Raises 401 (anonymous) or 403 (known) when no grant gives `subject` a role:
+        before a caller without rights learns anything about the roles."""
+        if not any(grant.roles for grant in self.grants.of(subject)):
+            raise not_admitted(subject, "is granted no role", "with a role")
+
+    def roles_of(self, subject: Subject, config: ProxyConfig) -> tuple[str, ...]:
+        """The roles `subject` may use: all that its errors and `/v1/models` may name."""
+        return self.grants.roles_for(subject, (role.name for role in config.roles))
+
+    def charge(self, outcome: Outcome) -> None:
+        """Take what a finished request used from its grant's allowance."""
+        if outcome.grant is not None and (outcome.tokens or outcome.cost_usd):
+            self.allowances.charge(
+                outcome.grant, outcome.tokens, outcome.cost_usd or 0.0, self._monotonic()
             )
-        if subject.kind is SubjectKind.ANONYMOUS:
-            raise unauthenticated(
-                "This proxy needs a credential: send `Authorization: Bearer` with a "
-                "ServiceAccount token (audience rolegate) or an API key."
+
+    async def administrator(self, authorization: str | None, admin_token: str | None) -> None:
+        """Admits a caller to the admin endpoints: one presenting the proxy's admin token, or
+        one a grant with `admin: true` is for. Raises 401/403 otherwise (and the 401/503 of
+        an invalid or unverifiable credential)."""
+        if admin_token and authorization is not None:
+            presented = authorization.encode()
+            if hmac.compare_digest(presented, f"Bearer {admin_token}".encode()):
+                return
+        subject = await self.identify(authorization)
+        if not self.grants.administers(subject):
+            raise not_admitted(
+                subject, "may not administer this proxy", "with `admin: true`", admin=True
             )
-        raise ProxyError(
-            403,
-            f"{subject.describe()} is not granted role {role}: an AccessGrant listing it "
-            f"(or its namespace) with role {role} is needed.",
-            error_type="permission_error",
-            code="role_not_granted",
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The grant a request is counted against, and the limit refusing it now, if any."""
+
+    grant: CompiledGrant
+    limited: Limited | None
+
+
+def not_admitted(subject: Subject, what: str, needed: str, *, admin: bool = False) -> ProxyError:
+    """401 for a caller without a known credential (which roles exist is not its business),
+    403 for a known one, naming the subject and what it lacks."""
+    how = (
+        "the proxy's admin token (--admin-token-file), or a ServiceAccount token (audience "
+        "rolegate) or API key of an AccessGrant with `admin: true`"
+        if admin
+        else "a ServiceAccount token (audience rolegate) or an API key"
+    )
+    if subject == UNKNOWN_KEY:
+        return unauthenticated(
+            "The bearer credential is not a known API key (a ServiceAccount token would be "
+            f"a JWT); send {how}."
         )
+    if subject.kind is SubjectKind.ANONYMOUS:
+        return unauthenticated(f"This needs a credential: send `Authorization: Bearer` with {how}.")
+    return ProxyError(
+        403,
+        f"{subject.describe()} {what}: an AccessGrant listing it (or its namespace) {needed} "
+        "is needed.",
+        error_type="permission_error",
+        code="admin_not_granted" if admin else "role_not_granted",
+    )
+
+
+class OverLimit(ProxyError):
+    """A request refused by its grant's limits: the caller's doing, not an upstream's (its
+    outcome is `rejected`, where an upstream's 429 is `failed`)."""
+
+
+def rate_limited(limited: Limited) -> OverLimit:
+    """429 in OpenAI's shape (`rate_limit_exceeded`), with Retry-After."""
+    field, unit = LIMIT_FIELDS[limited.kind]
+    return OverLimit(
+        429,
+        f"AccessGrant {limited.grant} allows {limited.figure:g} {unit} on this proxy and "
+        f"they are used up; retry after {limited.retry_after_header} s, or raise its "
+        f"spec.limits.{field}.",
+        error_type=limited.kind.value,
+        code="rate_limit_exceeded",
+        headers={"Retry-After": limited.retry_after_header},
+    )
 
 
 def cached_access(

@@ -13,6 +13,7 @@ import logging
 import os
 import random
 import time
+from functools import partial
 
 from aiohttp import hdrs, http_exceptions, web
 
@@ -21,6 +22,7 @@ from ..core.outcomes import Outcome, OutcomeKind
 from ..wire.caller_provider import refuse_unreachable, role_machines
 from ..wire.chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
 from ..wire.errors import ProxyError
+from .callers import OverLimit, rate_limited
 from .state import ProxyState
 
 log = logging.getLogger("rolegate.proxy")
@@ -48,11 +50,13 @@ class Call:
             return await self._serve()
         except ProxyError as error:
             self.status, self.error_code = error.status, error.code
-            # 429 and 5xx: nobody could answer; any other 4xx: the request was refused.
+            # 429 and 5xx: nobody could answer; any other 4xx, or the caller's own limits:
+            # the request was refused.
             self.kind = (
-                OutcomeKind.FAILED if error.status == 429 or error.status >= 500
+                OutcomeKind.FAILED
+                if error.status >= 500 or (error.status == 429 and not isinstance(error, OverLimit))
                 else OutcomeKind.REJECTED
-            )  # fmt: skip
+            )
             response = error.response(self.headers)
             if error.close_connection:
                 await answer_and_close(self.request, response)
@@ -67,11 +71,18 @@ class Call:
         state = self.state
         # Who is calling, before anything of the request is read or said about the roles.
         subject = await state.access.identify(self.request.headers.get(hdrs.AUTHORIZATION))
+        state.access.may_use_some_role(subject)
         body = parse_body(await read_body(self.request, state.settings.max_body_bytes))
-        role = choose_role(body, self.request.headers.get(ROLE_HEADER), self.config)
-        state.access.authorize(subject, role.name)
+        role = choose_role(
+            body,
+            self.request.headers.get(ROLE_HEADER),
+            self.config,
+            partial(state.access.roles_of, subject, self.config),
+        )
+        admission = state.access.authorize(subject, role.name)
         self.headers["X-Rolegate-Role"] = role.name
-        # From here on the outcome names the role, even if the request is then refused.
+        # From here on the outcome names the role and grant, even if the request is then
+        # refused.
         self.decision = Decision(
             request_id=self.request_id,
             role=role.name,
@@ -79,7 +90,10 @@ class Call:
             started_at=self.started,
             stream=body.get("stream") is True,
             patience_seconds=role.patience_seconds,
+            grant=admission.grant.name,
         )
+        if admission.limited is not None:
+            raise rate_limited(admission.limited)
         chat = validate_chat_request(body, role)
         refuse_unreachable(chat.caller, role, role_machines(role, self.config))
         response = await state.dispatcher.handle(
@@ -110,6 +124,7 @@ class Call:
                 config_hash=self.config.hash,
                 error_code=self.error_code,
             )
+        self.state.access.charge(outcome)
         self.state.outcomes.emit(outcome)
         log.info(
             "request id=%s role=%s status=%d outcome=%s ms=%.1f",

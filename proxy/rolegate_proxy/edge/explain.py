@@ -4,17 +4,17 @@ Routing metadata only: roles, providers, models, machines, reasons, numbers. Nev
 prompt, a completion or a credential. `GET /v1/rolegate/decisions` serves the recent
 decisions (filter with `?role=` and `?request_id=`); `GET /v1/rolegate/state` serves every
 machine's operational and semantic score (with n and confidence), belief, the breakers and
-hard exclusions, the outcome channel's counters and the configuration hash. Both, when the
-proxy is given an admin token (`--admin-token-file`), require it as a bearer token, and
-`POST /v1/feedback` (an evaluator's judgment) is enabled only with one.
+hard exclusions, the outcome channel's counters and the configuration hash. Both, and
+`POST /v1/feedback` (an evaluator's judgment), answer only an administrator: a caller
+presenting the proxy's admin token (`--admin-token-file`), or one an AccessGrant with
+`admin: true` is for.
 """
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from rolegate_policy.config import (
     ProxyConfig,
@@ -31,29 +31,21 @@ def _state(request: web.Request) -> ProxyState:
     return request.app[STATE]
 
 
-def _authorized(request: web.Request) -> web.Response | None:
-    token = _state(request).settings.admin_token
-    if not token:
-        return None
-    given = request.headers.get("Authorization", "")
-    if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-        return None
-    return web.json_response(
-        {
-            "error": {
-                "message": "This endpoint needs the proxy's admin token: send "
-                "`Authorization: Bearer <token>` (the proxy's --admin-token-file).",
-                "type": "authentication_error",
-                "param": None,
-                "code": "admin_token_required",
-            }
-        },
-        status=401,
-    )
+async def _refused(request: web.Request) -> web.Response | None:
+    """None when the caller may administer the proxy (its admin token, or a grant with
+    `admin: true`), else the 401/403 saying what to send. Never open by default."""
+    proxy = _state(request)
+    try:
+        await proxy.access.administrator(
+            request.headers.get(hdrs.AUTHORIZATION), proxy.settings.admin_token
+        )
+    except ProxyError as error:
+        return error.response()
+    return None
 
 
 async def decisions(request: web.Request) -> web.Response:
-    if (denied := _authorized(request)) is not None:
+    if (denied := await _refused(request)) is not None:
         return denied
     found = _state(request).decisions.recent(
         role=request.query.get("role"), request_id=request.query.get("request_id")
@@ -64,15 +56,7 @@ async def decisions(request: web.Request) -> web.Response:
 async def feedback(request: web.Request) -> web.Response:
     """`POST /v1/feedback`: one evaluator's judgment of a past request (see feedback.py)."""
     proxy = _state(request)
-    if not proxy.settings.admin_token:
-        return ProxyError(
-            403,
-            "Feedback is disabled: a judgment moves routing, so it needs the proxy's admin "
-            "token. Start the proxy with --admin-token-file to enable /v1/feedback.",
-            error_type="permission_error",
-            code="feedback_disabled",
-        ).response()
-    if (denied := _authorized(request)) is not None:
+    if (denied := await _refused(request)) is not None:
         return denied
     try:
         judgment = parse_judgment(await request.read())
@@ -155,7 +139,7 @@ def _view(view: ScoreView | None) -> dict[str, Any] | None:
 
 
 async def state(request: web.Request) -> web.Response:
-    if (denied := _authorized(request)) is not None:
+    if (denied := await _refused(request)) is not None:
         return denied
     proxy = _state(request)
     dispatcher = proxy.dispatcher

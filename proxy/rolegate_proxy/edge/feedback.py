@@ -4,9 +4,9 @@
 
     {"request_id": "...", "score": 4, "scale": [1, 5], "evaluator": "judge-v2"}
 
-`scale` is optional (default [0, 1]). It needs the proxy's admin token, and without one
-configured the endpoint is disabled: a judgment moves routing, so an anonymous caller
-must not be able to make one. The judgment updates only the semantic score of the
+`scale` is optional (default [0, 1]). It answers only an administrator (the proxy's
+admin token, or a grant with `admin: true`): a judgment moves routing, so an anonymous
+caller must not be able to make one. The judgment updates only the semantic score of the
 (provider, model, machine) that served that request — never the operational score, and
 never another machine. The evaluator's name is kept with the score: an evaluator served
 by the same provider it judges is not an independent witness, and the state endpoint

@@ -38,9 +38,11 @@ class ProxySettings:
     # Breaker reports on ProviderPolicy status are re-sent at least this often (in a
     # cluster); the operator expires a pod's report after three missed heartbeats.
     status_heartbeat_seconds: float = 30.0
-    # Required as a bearer token by the explanation endpoints when set; /v1/feedback is
-    # enabled only with one.
+    # Admits to the explanation endpoints and /v1/feedback as a bearer token (as does an
+    # AccessGrant with admin: true); without either they are closed.
     admin_token: str | None = None
+    # How long a ServiceAccount token's TokenReview verdict is trusted (edge/callers.py).
+    token_cache_seconds: float = 60.0
     # The outcome channel: its ring buffer, how long the drainer lets records gather
     # before handing a batch to the consumers (0: on the loop's next turn), and the
     # JSON-lines export target (a path, `-` for stdout, None: off).

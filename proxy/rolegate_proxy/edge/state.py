@@ -80,7 +80,9 @@ class ProxyState:
         )
         # The published figures are the ledger's prior (the sheet), reloaded with config.
         self.dispatcher.ledger.load_sheet(self.config)
-        self.access = AccessGate(NoCluster(), monotonic=self.dispatcher.now)
+        self.access = AccessGate(
+            NoCluster(), monotonic=self.dispatcher.now, ttl=settings.token_cache_seconds
+        )
         self.access.reload(self.config.grants, self.keys.key_for)
         self.outcomes = OutcomeChannel(settings.outcome_buffer)
         self.consumers = [
@@ -94,6 +96,7 @@ class ProxyState:
             self.consumers.append(self.exporter)
         exporter = self.exporter
         self.metrics.watch_scores(self.dispatcher.scores.views)
+        self.metrics.watch_allowances(self._allowances_left)
         self.metrics.watch_counters(
             {
                 "rolegate_outcomes_emitted": (
@@ -132,6 +135,13 @@ class ProxyState:
     def _degraded_settings(self, provider: str) -> DegradedOutputSpec:
         found = self.config.provider(provider)
         return found.degraded_output if found is not None else DegradedOutputSpec()
+
+    def _allowances_left(self) -> dict[str, dict[str, float]]:
+        left = self.access.allowances.remaining(self.dispatcher.now())
+        return {
+            grant: {str(kind): share for kind, share in shares.items()}
+            for grant, shares in left.items()
+        }
 
     def report_changed(self) -> None:
         for listener in self.report_listeners:

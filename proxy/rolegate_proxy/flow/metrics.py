@@ -125,6 +125,30 @@ class ProxyMetrics:
             ["role", "provider", "model"],
             registry=self.registry,
         )
+        # Per AccessGrant: the label is a configured grant's `namespace/name` (bounded by
+        # the configuration, as roles are), never anything a caller sent.
+        self.grant_requests = Counter(
+            "rolegate_grant_requests",
+            "Requests admitted by each AccessGrant, by HTTP status answered (429: over the "
+            "grant's limits).",
+            ["grant", "status"],
+            registry=self.registry,
+        )
+        self.grant_tokens = Counter(
+            "rolegate_grant_tokens",
+            "Tokens (input plus output) counted against each AccessGrant.",
+            ["grant"],
+            registry=self.registry,
+        )
+        self.grant_cost = Counter(
+            "rolegate_grant_cost_usd",
+            "Cost in USD counted against each AccessGrant.",
+            ["grant"],
+            registry=self.registry,
+        )
+        self._allowances = _AllowanceGauges()
+        self._allowance_rows: Callable[[], Mapping[str, Mapping[str, float]]] = dict
+        self.registry.register(self._allowances)
         self.feedback = Counter(
             "rolegate_feedback",
             "Judgments accepted on /v1/feedback, by evaluator.",
@@ -241,12 +265,21 @@ class ProxyMetrics:
         self._score_views = views
         self.registry.register(self._scores)
 
+    def watch_allowances(self, remaining: Callable[[], Mapping[str, Mapping[str, float]]]) -> None:
+        """What each limited grant has left, read at scrape time: grant -> limit -> share."""
+        self._allowance_rows = remaining
+
     def scrape(self) -> Callable[[], bytes]:
         """Take, on the loop, what a scrape reads of state the loop mutates (the score
         table), and return the rendering, to be run in a worker thread: a page of many
         series held the loop for a second. prometheus_client's own series are safe to read
         from any thread; the score gauges then read only this snapshot."""
         self._scores.rows = _folded_scores(self._score_views(), self.machine_label)
+        self._allowances.rows = tuple(
+            (grant, limit, share)
+            for grant, shares in self._allowance_rows().items()
+            for limit, share in shares.items()
+        )
         return partial(_render, self.registry)
 
     def observe_outcomes(self, batch: Sequence[Outcome]) -> None:
@@ -255,6 +288,12 @@ class ProxyMetrics:
         for outcome in batch:
             role = outcome.role or "-"
             child(self.requests, role, str(outcome.status), outcome.outcome.value).inc()
+            if (grant := outcome.grant) is not None:
+                child(self.grant_requests, grant, str(outcome.status)).inc()
+                if outcome.tokens:
+                    child(self.grant_tokens, grant).inc(outcome.tokens)
+                if outcome.cost_usd:
+                    child(self.grant_cost, grant).inc(outcome.cost_usd)
             child(self.latency, role).observe(outcome.latency_seconds)
             for arm in outcome.arms:
                 machine = label(arm.provider, arm.machine or "")
@@ -422,6 +461,28 @@ def _folded_scores(
             own.append(_Scores(labels, operational.score, operational.n, score))
     own.extend(pool.scores(labels) for labels, pool in pools.items())
     return tuple(own)
+
+
+class _AllowanceGauges(Collector):
+    """What limited grants have left, from the snapshot `ProxyMetrics.scrape` took."""
+
+    def __init__(self) -> None:
+        self.rows: tuple[tuple[str, str, float], ...] = ()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        remaining = GaugeMetricFamily(
+            "rolegate_grant_allowance_remaining_ratio",
+            "What an AccessGrant's limit has left on this pod, as a share of the limit "
+            "(1: untouched, 0: used up, below 0: overdrawn by answers still running when it "
+            "ran out), by grant and limit (requests, tokens, cost).",
+            labels=["grant", "limit"],
+        )
+        for grant, limit, share in sorted(self.rows):
+            remaining.add_metric([grant, limit], share)
+        yield remaining
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        return iter(())
 
 
 class _ScoreGauges(Collector):

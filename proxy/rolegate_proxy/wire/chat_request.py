@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,14 +139,21 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def choose_role(body: dict[str, Any], header_role: str | None, config: ProxyConfig) -> CompiledRole:
-    known = ", ".join(role.name for role in config.roles) or "(none: no RoleTable is accepted)"
+def choose_role(
+    body: dict[str, Any],
+    header_role: str | None,
+    config: ProxyConfig,
+    granted: Callable[[], Sequence[str]],
+) -> CompiledRole:
+    """The role a request names. Errors list only the `granted` roles (those the caller
+    may use: asked for only when there is an error), never every role there is."""
     if header_role is not None:
         role = config.role(header_role)
         if role is None:
             raise ProxyError(
                 404,
-                f"Unknown role {header_role!r} in the {ROLE_HEADER} header. Known roles: {known}.",
+                f"Unknown role {header_role!r} in the {ROLE_HEADER} header. "
+                f"Your roles: {_listed(granted)}.",
                 code="unknown_role",
                 param=ROLE_HEADER,
             )
@@ -153,8 +161,8 @@ def choose_role(body: dict[str, Any], header_role: str | None, config: ProxyConf
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request(
-            f"`model` is required and must be a string naming a role (known roles: {known}), "
-            f"or send the {ROLE_HEADER} header.",
+            "`model` is required and must be a string naming a role (your roles: "
+            f"{_listed(granted)}), or send the {ROLE_HEADER} header.",
             param="model",
             code="missing_model",
         )
@@ -164,11 +172,15 @@ def choose_role(body: dict[str, Any], header_role: str | None, config: ProxyConf
         raise ProxyError(
             404,
             f"Unknown role {shown!r}: rolegate selects a role by the `model` field. "
-            f"Known roles: {known}.",
+            f"Your roles: {_listed(granted)}.",
             code="unknown_role",
             param="model",
         )
     return role
+
+
+def _listed(granted: Callable[[], Sequence[str]]) -> str:
+    return ", ".join(granted())
 
 
 def validate_chat_request(body: dict[str, Any], role: CompiledRole) -> ChatRequest:
