@@ -170,6 +170,21 @@ def _parser() -> argparse.ArgumentParser:
         "it above the idle timeout of a load balancer in front (default: 75)",
     )
     proxy.add_argument(
+        "--state-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="keep what the proxy learned of each machine in this file: restored at start, "
+        "written atomically every --state-save-seconds and at shutdown (default: not kept)",
+    )
+    proxy.add_argument(
+        "--state-save-seconds",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="how often the --state-file is written (default: 30)",
+    )
+    proxy.add_argument(
         "--token-cache-seconds",
         type=_positive_float,
         default=60.0,
@@ -462,6 +477,8 @@ def _run_proxy(args: argparse.Namespace) -> int:
         idle_timeout_seconds=args.idle_timeout_seconds,
         max_connections=args.max_connections,
         token_cache_seconds=args.token_cache_seconds,
+        state_file=args.state_file,
+        state_save_seconds=args.state_save_seconds,
     )
     try:
         serve(settings, config, source)

@@ -403,8 +403,24 @@ class _Stats:
         self.n, self.s1, self.s2 = n, s1, s2
         self.at = now if self.at == -math.inf else max(self.at, now)
 
-    def posterior(self, prior: _Prior, now: float, half_life: float) -> LogNormal:
+    def posterior(
+        self,
+        prior: _Prior,
+        now: float,
+        half_life: float,
+        peers: _Stats | None = None,
+        cap: float = math.inf,
+    ) -> LogNormal:
+        """The posterior from the prior and this evidence, and the peers' (other proxy
+        pods' evidence about the same machine, when the fleet shares it), all of it capped
+        at `cap` pseudo-observations."""
         n, s1, s2 = self.decayed(now, half_life)
+        if peers is not None:
+            pn, ps1, ps2 = peers.decayed(now, half_life)
+            n, s1, s2 = n + pn, s1 + ps1, s2 + ps2
+            if n > cap:
+                shrink = cap / n
+                n, s1, s2 = n * shrink, s1 * shrink, s2 * shrink
         if n <= 1e-9:
             return LogNormal(prior.m, prior.kappa, prior.a, prior.b, 0.0)
         mean = s1 / n
@@ -414,6 +430,42 @@ class _Stats:
         a = prior.a + n / 2.0
         b = prior.b + scatter / 2.0 + prior.kappa * n * (mean - prior.m) ** 2 / (2.0 * kappa)
         return LogNormal(m, kappa, a, b, n)
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """What a ledger has seen of one quantity, as shareable numbers: `n` pseudo-observations
+    (after forgetting) and the sums of their log values and squared log values."""
+
+    n: float
+    s1: float
+    s2: float
+
+    @property
+    def mean_log(self) -> float:
+        return self.s1 / self.n
+
+
+@dataclass(frozen=True, slots=True)
+class MachineEvidence:
+    """One machine's evidence as a proxy pod shares it with the fleet (or keeps it across a
+    restart): never a prompt or a completion, only numbers."""
+
+    key: MachineKey
+    ttft: Evidence | None
+    gap: Evidence | None
+    sightings: int = 0
+
+
+def _evidence(stats: _Stats, now: float, half_life: float) -> Evidence | None:
+    n, s1, s2 = stats.decayed(now, half_life)
+    return Evidence(n, s1, s2) if n > 1e-6 else None
+
+
+def _stats_of(evidence: Evidence | None, weight: float, now: float) -> _Stats:
+    if evidence is None or weight <= 0:
+        return _Stats()
+    return _Stats(evidence.n * weight, evidence.s1 * weight, evidence.s2 * weight, now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,6 +503,10 @@ class Ledger:
         self._cache: dict[MachineKey, tuple[float, MachineBelief | None]] = {}
         # Cached beliefs with sightings filed since they were computed.
         self._stale: set[MachineKey] = set()
+        # The fleet's evidence (other proxy pods'), replaced whole by `hear`: (ttft, gap)
+        # statistics and, for machines this pod has no prior for, priors seeded from it.
+        self._peers: dict[MachineKey, tuple[_Stats, _Stats]] = {}
+        self._peer_priors: dict[MachineKey, tuple[_Prior | None, _Prior | None]] = {}
 
     def __len__(self) -> int:
         """Machines with sightings held (bounded by `max_keys`)."""
@@ -486,7 +542,7 @@ class Ledger:
                         key = MachineKey(provider.name, model.name, machine.name)
                         sheet[key] = _Sheet(ttft, gap)
         for key in self._sheet:
-            if key not in sheet and key not in self._entries:
+            if key not in sheet and key not in self._entries and key not in self._peers:
                 self._unindex(key)
         self._sheet = sheet
         self._cache.clear()
@@ -531,21 +587,32 @@ class Ledger:
     def belief_of(self, key: MachineKey, now: float) -> MachineBelief | None:
         sheet = self._sheet.get(key)
         entry = self._entries.get(key)
-        half_life = self.settings.half_life_seconds
+        settings = self.settings
+        half_life = settings.half_life_seconds
         ttft_prior = sheet.ttft if sheet is not None and sheet.ttft is not None else None
         gap_prior = sheet.gap if sheet is not None and sheet.gap is not None else None
         if entry is not None:
             ttft_prior = ttft_prior or entry.ttft_prior
             gap_prior = gap_prior or entry.gap_prior
+        peers = self._peers.get(key)
+        if peers is not None and (ttft_prior is None or gap_prior is None):
+            seeded = self._peer_priors.get(key, (None, None))
+            ttft_prior, gap_prior = ttft_prior or seeded[0], gap_prior or seeded[1]
         if ttft_prior is None and gap_prior is None:
             return None
         stats_ttft = entry.ttft if entry is not None else _Stats()
         stats_gap = entry.gap if entry is not None else _Stats()
+        peer_ttft, peer_gap = peers if peers is not None else (None, None)
+        cap = settings.max_weight
         return MachineBelief(
             key,
             Source.SHEET if sheet is not None else Source.LEARNED,
-            None if ttft_prior is None else stats_ttft.posterior(ttft_prior, now, half_life),
-            None if gap_prior is None else stats_gap.posterior(gap_prior, now, half_life),
+            None
+            if ttft_prior is None
+            else stats_ttft.posterior(ttft_prior, now, half_life, peer_ttft, cap),
+            None
+            if gap_prior is None
+            else stats_gap.posterior(gap_prior, now, half_life, peer_gap, cap),
             entry.sightings if entry is not None else 0,
             entry.last_seen if entry is not None else None,
         )
@@ -632,6 +699,76 @@ class Ledger:
                 )
             entry.gap.add(weight, mean, var, now, settings)
 
+    # -- the fleet's memory ----------------------------------------------------------------
+
+    def evidence(self, now: float) -> list[MachineEvidence]:
+        """This ledger's own evidence (never what it heard from peers: a pod shares only
+        what it saw, so nobody counts anything twice), forgotten down to `now`, most
+        recently sighted first."""
+        half_life = self.settings.half_life_seconds
+        found = []
+        for key, entry in reversed(self._entries.items()):
+            ttft = _evidence(entry.ttft, now, half_life)
+            gap = _evidence(entry.gap, now, half_life)
+            if ttft is not None or gap is not None:
+                found.append(MachineEvidence(key, ttft, gap, entry.sightings))
+        return found
+
+    def restore(self, evidence: Iterable[MachineEvidence], age: float, now: float) -> None:
+        """Take back this pod's own evidence, kept `age` seconds ago (a restart): forgotten
+        for the time it spent on the shelf, then as if it had been seen here."""
+        factor = 0.5 ** (max(age, 0.0) / self.settings.half_life_seconds)
+        settings = self.settings
+        for item in evidence:
+            entry = self._entry(item.key)
+            entry.ttft = _stats_of(item.ttft, factor, now)
+            entry.gap = _stats_of(item.gap, factor, now)
+            entry.sightings = max(entry.sightings, item.sightings)
+            if item.ttft is not None and entry.ttft_prior is None:
+                entry.ttft_prior = _Prior.around_log(
+                    item.ttft.mean_log, settings.ttft_log_sd, settings.learned_weight
+                )
+            if item.gap is not None and entry.gap_prior is None:
+                entry.gap_prior = _Prior.around_log(
+                    item.gap.mean_log, settings.gap_log_sd, settings.learned_weight
+                )
+        self._cache.clear()
+        self._stale.clear()
+
+    def hear(self, peers: Iterable[tuple[MachineEvidence, float]], now: float) -> None:
+        """Replace what the fleet said: each peer's evidence with the weight it carries
+        (its age's forgetting, times any discount), summed per machine. A machine only
+        peers have seen becomes a candidate here too, with a prior seeded from them."""
+        settings = self.settings
+        heard: dict[MachineKey, tuple[_Stats, _Stats]] = {}
+        for item, weight in peers:
+            if weight <= 0:
+                continue
+            ttft, gap = heard.setdefault(item.key, (_Stats(at=now), _Stats(at=now)))
+            for stats, part in ((ttft, item.ttft), (gap, item.gap)):
+                if part is not None:
+                    stats.n += part.n * weight
+                    stats.s1 += part.s1 * weight
+                    stats.s2 += part.s2 * weight
+        priors: dict[MachineKey, tuple[_Prior | None, _Prior | None]] = {}
+        for key, (ttft, gap) in heard.items():
+            priors[key] = (
+                _Prior.around_log(ttft.s1 / ttft.n, settings.ttft_log_sd, settings.learned_weight)
+                if ttft.n > 1e-6
+                else None,
+                _Prior.around_log(gap.s1 / gap.n, settings.gap_log_sd, settings.learned_weight)
+                if gap.n > 1e-6
+                else None,
+            )
+        for key in self._peers:
+            if key not in heard and key not in self._sheet and key not in self._entries:
+                self._unindex(key)
+        self._peers, self._peer_priors = heard, priors
+        for key in heard:
+            self._indexed(key)
+        self._cache.clear()
+        self._stale.clear()
+
     # -- bookkeeping ----------------------------------------------------------------------
 
     def _entry(self, key: MachineKey) -> _Entry:
@@ -645,7 +782,7 @@ class Ledger:
             victim, _ = self._entries.popitem(last=False)
             self._cache.pop(victim, None)
             self._stale.discard(victim)
-            if victim not in self._sheet:
+            if victim not in self._sheet and victim not in self._peers:
                 self._unindex(victim)
         return entry
 

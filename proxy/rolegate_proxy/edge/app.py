@@ -25,6 +25,7 @@ from .credentials import KeyStore
 from .error_shape import MAX_BODY_BYTES
 from .settings import ProxySettings
 from .state import STATE, ProxyState
+from .state_file import StateKeeper
 from .status_reporter import WITHDRAW_SECONDS, BreakerReporter
 
 log = logging.getLogger("rolegate.proxy")
@@ -49,6 +50,10 @@ def create_app(
     app.cleanup_ctx.append(_upstream_session)
     app.cleanup_ctx.append(_key_refresher)
     app.cleanup_ctx.append(_breaker_clock)
+    if settings.state_file is not None:
+        # Before the outcome drain: cleanups run in reverse, so the last write comes after
+        # the last outcomes were handed over.
+        app.cleanup_ctx.append(_state_file)
     app.cleanup_ctx.append(_outcome_drain)
     app.on_shutdown.append(_shutting_down)
     if source is not None:
@@ -120,6 +125,23 @@ async def _key_refresher(app: web.Application) -> AsyncIterator[None]:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def _state_file(app: web.Application) -> AsyncIterator[None]:
+    """The pod's memory restored before the first request, kept while it serves, and
+    written once more after the last."""
+    state = app[STATE]
+    assert state.settings.state_file is not None
+    keeper = StateKeeper(state, state.settings.state_file)
+    await keeper.restore()
+    task = asyncio.create_task(
+        keeper.keep(state.settings.state_save_seconds), name="rolegate-state-file"
+    )
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await keeper.save()
 
 
 async def _outcome_drain(app: web.Application) -> AsyncIterator[None]:

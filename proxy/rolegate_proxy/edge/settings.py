@@ -43,6 +43,10 @@ class ProxySettings:
     admin_token: str | None = None
     # How long a ServiceAccount token's TokenReview verdict is trusted (edge/callers.py).
     token_cache_seconds: float = 60.0
+    # The pod's memory (what it learned of each machine) kept in this file across
+    # restarts, written every `state_save_seconds` and at shutdown; None: not kept.
+    state_file: Path | None = None
+    state_save_seconds: float = 30.0
     # The outcome channel: its ring buffer, how long the drainer lets records gather
     # before handing a batch to the consumers (0: on the loop's next turn), and the
     # JSON-lines export target (a path, `-` for stdout, None: off).

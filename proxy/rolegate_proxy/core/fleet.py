@@ -1,0 +1,60 @@
+"""A proxy pod's memory as it outlives the process: what it learned about each machine,
+kept across a restart (a state file) and, in a fleet, shared with the other pods.
+
+A `PodMemory` holds only the pod's own evidence, never what it heard: every pod shares
+what it saw, each pod adds up its peers' shares, and nothing is ever counted twice (a pod
+that heard A's evidence does not pass it on to B, who hears it from A). Ages are kept
+relative to the moment the memory was written, so pods whose clocks disagree still agree
+on how old a piece of evidence is, give or take the disagreement at write time.
+
+Pure: the clock is an argument; no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Final
+
+from .beliefs import Ledger, MachineEvidence
+
+# A memory older than this is not taken back at start: what it knew is stale anyway (the
+# ledger forgets on a half-hour half-life; a day is 48 of them), and a file left behind by
+# an old deployment must not haunt a new one.
+MAX_RESTORE_AGE_SECONDS: Final = 86_400.0
+
+
+@dataclass(frozen=True, slots=True)
+class PodMemory:
+    """What one pod learned, as of `written_at` (seconds since the epoch)."""
+
+    pod: str
+    written_at: float
+    machines: tuple[MachineEvidence, ...] = ()
+
+
+def remember(pod: str, ledger: Ledger, now: float, wall_now: float) -> PodMemory:
+    """The pod's own memory now (`now` on the ledger's clock, `wall_now` the epoch's)."""
+    return PodMemory(pod, wall_now, tuple(ledger.evidence(now)))
+
+
+def restore(memory: PodMemory, ledger: Ledger, now: float, wall_now: float) -> bool:
+    """Take the pod's own memory back into a fresh ledger; False when it is too old to."""
+    age = max(0.0, wall_now - memory.written_at)
+    if age > MAX_RESTORE_AGE_SECONDS:
+        return False
+    ledger.restore(memory.machines, age, now)
+    return True
+
+
+def peer_evidence(
+    memories: Iterable[PodMemory], own_pod: str, wall_now: float, half_life: float
+) -> Iterator[tuple[MachineEvidence, float]]:
+    """Every peer's evidence with the weight its age leaves it (this pod's own memory, as
+    the fleet holds it, is skipped: the ledger already has it)."""
+    for memory in memories:
+        if memory.pod == own_pod:
+            continue
+        weight = 0.5 ** (max(0.0, wall_now - memory.written_at) / half_life)
+        for machine in memory.machines:
+            yield machine, weight

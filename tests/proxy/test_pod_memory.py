@@ -1,0 +1,112 @@
+"""A pod's memory on the wire: what goes out comes back, its size at 1,000 machines, and
+what comes in from outside is refused whole when it is not a memory."""
+
+from __future__ import annotations
+
+import math
+
+import orjson
+import pytest
+
+from rolegate_proxy.core.beliefs import Evidence, MachineEvidence, MachineKey
+from rolegate_proxy.core.fleet import PodMemory, peer_evidence
+from rolegate_proxy.wire.pod_memory import MAX_MACHINES, MemoryFormatError, decode, encode
+
+from .test_beliefs import HOUR, ledger, seen
+
+
+def learned(machines: int) -> PodMemory:
+    """A memory of `machines` machines with aggregator-like names and real evidence."""
+    items = tuple(
+        MachineEvidence(
+            MachineKey("openrouter", f"vendor/model-{i % 16:02d}", f"sub-provider-{i:04d}"),
+            Evidence(12.34567891, -5.6789012 * 12, 3.3 * 12),
+            Evidence(8.0, -24.617283 * 8, 76.123456 * 8),
+            sightings=1000 + i,
+        )
+        for i in range(machines)
+    )
+    return PodMemory("rolegate-proxy-7d9f5c6b8-x2k4q", 1764763200.123, items)
+
+
+def test_a_memory_comes_back_as_it_went_to_six_significant_digits() -> None:
+    memory = learned(3)
+    back = decode(encode(memory))
+    assert (back.pod, back.written_at) == (memory.pod, memory.written_at)
+    assert [m.key for m in back.machines] == [m.key for m in memory.machines]
+    for was, now in zip(memory.machines, back.machines, strict=True):
+        assert now.sightings == was.sightings
+        for a, b in ((was.ttft, now.ttft), (was.gap, now.gap)):
+            assert a is not None
+            assert b is not None
+            assert (b.n, b.s1, b.s2) == pytest.approx((a.n, a.s1, a.s2), rel=1e-5)
+
+
+def test_a_thousand_machines_fit_well_inside_an_etcd_object() -> None:
+    size = len(encode(learned(1000)))
+    print(f"1,000 machines: {size} bytes ({size / 1000:.0f} bytes a machine)")
+    assert size < 150_000  # etcd's limit is 1.5 MiB
+    assert len(encode(learned(MAX_MACHINES))) < 1_048_576
+
+
+def test_a_ledger_s_memory_round_trips_through_the_wire() -> None:
+    book = ledger(("fast", 2.0, 50.0))
+    book.file(seen("fast", 10.0, ttft=1.5, rate=40.0))
+    memory = PodMemory("p", 1.0, tuple(book.evidence(10.0)))
+    assert decode(encode(memory)).machines[0].key == MachineKey(
+        "openrouter", "qwen/qwen3-coder", "fast"
+    )
+
+
+def test_a_peer_s_evidence_is_weighed_by_its_age_and_the_pod_s_own_is_skipped() -> None:
+    mine, theirs, old = learned(1), learned(1), learned(1)
+    fleet = [
+        PodMemory("me", 1000.0, mine.machines),
+        PodMemory("b", 1000.0, theirs.machines),
+        PodMemory("c", 1000.0 - HOUR, old.machines),
+    ]
+    weights = [weight for _, weight in peer_evidence(fleet, "me", 1000.0, half_life=1800.0)]
+    assert weights == pytest.approx([1.0, 0.25])
+
+
+@pytest.mark.parametrize(
+    ("document", "complaint"),
+    [
+        (b"{", "not JSON"),
+        (b"[]", "not a JSON object"),
+        (b'{"format": 2, "pod": "p", "writtenAt": 1, "machines": []}', "format is not 1"),
+        (b'{"format": 1, "pod": "p", "writtenAt": "x", "machines": []}', "writtenAt"),
+        (b'{"format": 1, "pod": "", "writtenAt": 1, "machines": []}', "pod: a name"),
+        (b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [["a","b","c",1,null]]}',
+         "machines[0] is not a list of 6"),
+        (b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [["a","b","c",-1,null,null]]}',
+         "sightings"),
+        (b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [["a","b","c",1,[1,2],null]]}',
+         "ttft is not"),
+        (b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [["a","b","c",1,[0,2,3],null]]}',
+         "ttft is out of range"),
+        (b'{"format": 1, "pod": "p", "writtenAt": 1, '
+         b'"machines": [["a","b\\u0000","c",1,null,null]]}', "unprintable"),
+    ],
+)  # fmt: skip
+def test_what_is_not_a_memory_is_refused_whole_naming_what_is_wrong(
+    document: bytes, complaint: str
+) -> None:
+    with pytest.raises(MemoryFormatError, match=complaint.replace("[", r"\[")) as refused:
+        decode(document)
+    assert "sk-" not in str(refused.value)
+
+
+def test_non_finite_numbers_and_too_many_machines_are_refused() -> None:
+    nan = orjson.dumps({"format": 1, "pod": "p", "writtenAt": 1, "machines": []}).replace(
+        b'"writtenAt":1', b'"writtenAt":NaN'
+    )
+    with pytest.raises(MemoryFormatError):
+        decode(nan)
+    row = ["a", "b", "c", 1, None, None]
+    crowded = orjson.dumps(
+        {"format": 1, "pod": "p", "writtenAt": 1, "machines": [row] * (MAX_MACHINES + 1)}
+    )
+    with pytest.raises(MemoryFormatError, match="at most"):
+        decode(crowded)
+    assert math.isfinite(decode(encode(learned(1))).written_at)

@@ -1,0 +1,111 @@
+"""`--state-file`: a restarted proxy routes from what it had learned on its first request,
+through the real proxy, the simulator and the `openai` client; a file that is not a memory
+starts it cold, and it says so."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from ..support import ProxyFactory, SimFactory, machine_policy, role_table
+
+MODEL = "vendor/model-a"
+PROMPT: Any = [{"role": "user", "content": "write the next step"}]
+# On paper m1 answers first in 0.05 s, m2 in 0.1 s; in fact m1 takes a second.
+SHEETS = [
+    {"name": "m1", "ttftSeconds": 0.05, "tokensPerSecond": 200},
+    {"name": "m2", "ttftSeconds": 0.1, "tokensPerSecond": 200},
+]
+AGENT = {
+    "name": "agent",
+    "models": [MODEL],
+    "patienceSeconds": 30,
+    "visibility": "Watched",
+    "ruling": "Order",
+    "expectedOutputTokens": 10,
+    # Wide: one slow answer never puts m1 a quality tier behind; only time decides.
+    "qualityTolerance": 1.0,
+}
+
+
+async def _sim(sim_server: SimFactory) -> str:
+    sim = await sim_server(
+        {"seed": 1, "models": [{"name": MODEL, "machines": [
+            {"name": "m1", "ttftSeconds": 1.0, "tokensPerSecond": 0},
+            {"name": "m2", "ttftSeconds": 0, "tokensPerSecond": 0}]}]}
+    )  # fmt: skip
+    return sim.url
+
+
+async def _first_asked(url: str) -> str:
+    """The machine a streamed request was sent to first (a slow first token is raced by
+    the next machine: the first arm says what the proxy believed before it asked)."""
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as ai:
+        stream = await ai.chat.completions.create(model="agent", messages=PROMPT, stream=True)
+        async for _ in stream:
+            pass
+    async with httpx.AsyncClient() as client:
+        decisions = (await client.get(f"{url}/v1/rolegate/decisions")).json()["decisions"]
+    return str(decisions[-1]["arms"][0]["machine"])
+
+
+async def _expected_ttft(url: str, machine: str) -> float:
+    async with httpx.AsyncClient() as client:
+        state = (await client.get(f"{url}/v1/rolegate/state")).json()
+    (belief,) = [b for b in state["beliefs"] if b["machine"] == machine]
+    return float(belief["expected_ttft_seconds"])
+
+
+async def test_a_restarted_proxy_routes_from_its_restored_memory_on_its_first_request(
+    sim_server: SimFactory, proxy_server: ProxyFactory, tmp_path: Path
+) -> None:
+    sim_url = await _sim(sim_server)
+    objects = [machine_policy(sim_url, MODEL, SHEETS), role_table(AGENT)]
+    memory = tmp_path / "memory.json"
+    first = await proxy_server(objects, state_file=memory)
+    # m1 leads on paper; its slow first tokens (raced by m2 each time) teach the first
+    # proxy that it is slower than m2, until m2 is asked first.
+    asked = [await _first_asked(first.url) for _ in range(3)]
+    while asked[-1] == "m1":
+        asked.append(await _first_asked(first.url))
+        assert len(asked) < 12, asked
+    assert asked[0] == "m1"
+    learned = await _expected_ttft(first.url, "m1")
+    await first.stop()  # writes the memory once more
+    assert memory.stat().st_size > 0
+
+    restarted = await proxy_server(objects, state_file=memory)
+    assert await _expected_ttft(restarted.url, "m1") == pytest.approx(learned, rel=0.05)
+    assert await _first_asked(restarted.url) == "m2"
+    # Without the memory, the same configuration goes by the published figures.
+    forgetful = await proxy_server(objects)
+    assert await _expected_ttft(forgetful.url, "m1") < 0.1
+    assert await _first_asked(forgetful.url) == "m1"
+
+
+async def test_a_state_file_that_is_not_a_memory_starts_the_proxy_cold_and_says_so(
+    sim_server: SimFactory,
+    proxy_server: ProxyFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sim_url = await _sim(sim_server)
+    memory = tmp_path / "memory.json"
+    memory.write_text('{"format": 1, "pod": "p", "writtenAt": 1, "machines": "sk-not-a-list"}')
+    with caplog.at_level(logging.WARNING, logger="rolegate.proxy.memory"):
+        proxy = await proxy_server(
+            [machine_policy(sim_url, MODEL, SHEETS), role_table(AGENT)], state_file=memory
+        )
+    assert await _first_asked(proxy.url) == "m1"
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "rolegate.proxy.memory"]
+    assert "state file ignored" in warning
+    assert "machines is not a list" in warning
+    assert "sk-not-a-list" not in warning
+    # The next write replaces it with a real memory.
+    await proxy.stop()
+    assert b'"format":1' in memory.read_bytes()
