@@ -10,6 +10,7 @@ import pytest
 
 from rolegate_proxy.core.beliefs import Evidence, MachineEvidence, MachineKey
 from rolegate_proxy.core.fleet import PodMemory, peer_evidence
+from rolegate_proxy.core.score import ScoreEvidence
 from rolegate_proxy.wire.pod_memory import MAX_MACHINES, MemoryFormatError, decode, encode
 
 from .test_beliefs import HOUR, ledger, seen
@@ -26,7 +27,10 @@ def learned(machines: int) -> PodMemory:
         )
         for i in range(machines)
     )
-    return PodMemory("rolegate-proxy-7d9f5c6b8-x2k4q", 1764763200.123, items)
+    scores = tuple(
+        (item.key, ScoreEvidence(60 + i, 0.97123456, 28.7654321)) for i, item in enumerate(items)
+    )
+    return PodMemory("rolegate-proxy-7d9f5c6b8-x2k4q", 1764763200.123, items, scores)
 
 
 def test_a_memory_comes_back_as_it_went_to_six_significant_digits() -> None:
@@ -40,12 +44,26 @@ def test_a_memory_comes_back_as_it_went_to_six_significant_digits() -> None:
             assert a is not None
             assert b is not None
             assert (b.n, b.s1, b.s2) == pytest.approx((a.n, a.s1, a.s2), rel=1e-5)
+    for (key, was_score), (back_key, score) in zip(memory.scores, back.scores, strict=True):
+        assert back_key == key
+        assert score.n == was_score.n
+        assert (score.mean, score.weight) == pytest.approx(
+            (was_score.mean, was_score.weight), rel=1e-5
+        )
+
+
+def test_a_machine_with_only_a_score_or_only_beliefs_keeps_just_that() -> None:
+    key = MachineKey("p", "m", "x")
+    memory = PodMemory("p", 1.0, (), ((key, ScoreEvidence(3, 0.5, 2.9)),))
+    back = decode(encode(memory))
+    assert back.machines == ()
+    assert back.scores == memory.scores
 
 
 def test_a_thousand_machines_fit_well_inside_an_etcd_object() -> None:
     size = len(encode(learned(1000)))
     print(f"1,000 machines: {size} bytes ({size / 1000:.0f} bytes a machine)")
-    assert size < 150_000  # etcd's limit is 1.5 MiB
+    assert size < 200_000  # etcd's limit is 1.5 MiB
     assert len(encode(learned(MAX_MACHINES))) < 1_048_576
 
 
@@ -69,6 +87,11 @@ def test_a_peer_s_evidence_is_weighed_by_its_age_and_the_pod_s_own_is_skipped() 
     assert weights == pytest.approx([1.0, 0.25])
 
 
+def one_row(row: str) -> bytes:
+    """A memory document of one machine row, written as JSON text."""
+    return b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [' + row.encode() + b"]}"
+
+
 @pytest.mark.parametrize(
     ("document", "complaint"),
     [
@@ -77,18 +100,15 @@ def test_a_peer_s_evidence_is_weighed_by_its_age_and_the_pod_s_own_is_skipped() 
         (b'{"format": 2, "pod": "p", "writtenAt": 1, "machines": []}', "format is not 1"),
         (b'{"format": 1, "pod": "p", "writtenAt": "x", "machines": []}', "writtenAt"),
         (b'{"format": 1, "pod": "", "writtenAt": 1, "machines": []}', "pod: a name"),
-        (b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [["a","b","c",1,null]]}',
-         "machines[0] is not a list of 6"),
-        (b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [["a","b","c",-1,null,null]]}',
-         "sightings"),
-        (b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [["a","b","c",1,[1,2],null]]}',
-         "ttft is not"),
-        (b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [["a","b","c",1,[0,2,3],null]]}',
-         "ttft is out of range"),
-        (b'{"format": 1, "pod": "p", "writtenAt": 1, '
-         b'"machines": [["a","b\\u0000","c",1,null,null]]}', "unprintable"),
+        (one_row('["a","b","c",1,null,null]'), "machines[0] is not a list of 7"),
+        (one_row('["a","b","c",-1,null,null,null]'), "sightings"),
+        (one_row('["a","b","c",1,[1,2],null,null]'), "ttft is not"),
+        (one_row('["a","b","c",1,[0,2,3],null,null]'), "ttft is out of range"),
+        (one_row('["a","b\\u0000","c",1,null,null,null]'), "unprintable"),
+        (one_row('["a","b","c",1,null,null,[2,1.5,1]]'), "score is out of range"),
+        (one_row('["a","b","c",1,null,null,[0,0.5,1]]'), "score is not"),
     ],
-)  # fmt: skip
+)
 def test_what_is_not_a_memory_is_refused_whole_naming_what_is_wrong(
     document: bytes, complaint: str
 ) -> None:
@@ -103,7 +123,7 @@ def test_non_finite_numbers_and_too_many_machines_are_refused() -> None:
     )
     with pytest.raises(MemoryFormatError):
         decode(nan)
-    row = ["a", "b", "c", 1, None, None]
+    row = ["a", "b", "c", 1, None, None, None]
     crowded = orjson.dumps(
         {"format": 1, "pod": "p", "writtenAt": 1, "machines": [row] * (MAX_MACHINES + 1)}
     )

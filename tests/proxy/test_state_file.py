@@ -1,4 +1,5 @@
-"""`--state-file`: a restarted proxy routes from what it had learned on its first request,
+"""`--state-file`: a restarted proxy routes from what it had learned (its speed beliefs and
+its operational scores) on its first request,
 through the real proxy, the simulator and the `openai` client; a file that is not a memory
 starts it cold, and it says so."""
 
@@ -54,6 +55,13 @@ async def _first_asked(url: str) -> str:
     return str(decisions[-1]["arms"][0]["machine"])
 
 
+async def _operational(url: str, machine: str) -> dict[str, Any]:
+    async with httpx.AsyncClient() as client:
+        state = (await client.get(f"{url}/v1/rolegate/state")).json()
+    (row,) = [row for row in state["scores"] if row["machine"] == machine]
+    return dict(row["operational"])
+
+
 async def _expected_ttft(url: str, machine: str) -> float:
     async with httpx.AsyncClient() as client:
         state = (await client.get(f"{url}/v1/rolegate/state")).json()
@@ -76,11 +84,15 @@ async def test_a_restarted_proxy_routes_from_its_restored_memory_on_its_first_re
         assert len(asked) < 12, asked
     assert asked[0] == "m1"
     learned = await _expected_ttft(first.url, "m1")
+    scored = await _operational(first.url, "m2")
+    assert scored["n"] >= 3
     await first.stop()  # writes the memory once more
     assert memory.stat().st_size > 0
 
     restarted = await proxy_server(objects, state_file=memory)
     assert await _expected_ttft(restarted.url, "m1") == pytest.approx(learned, rel=0.05)
+    kept = await _operational(restarted.url, "m2")
+    assert (kept["n"], kept["observed"]) == (scored["n"], pytest.approx(scored["observed"]))
     assert await _first_asked(restarted.url) == "m2"
     # Without the memory, the same configuration goes by the published figures.
     forgetful = await proxy_server(objects)

@@ -16,7 +16,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
-from .beliefs import Ledger, MachineEvidence
+from .beliefs import Ledger, MachineEvidence, MachineKey
+from .score import Scoreboard, ScoreEvidence
 
 # A memory older than this is not taken back at start: what it knew is stale anyway (the
 # ledger forgets on a half-hour half-life; a day is 48 of them), and a file left behind by
@@ -30,20 +31,29 @@ class PodMemory:
 
     pod: str
     written_at: float
+    # The speed beliefs' evidence (the ledger's), and the operational scores' records.
     machines: tuple[MachineEvidence, ...] = ()
+    scores: tuple[tuple[MachineKey, ScoreEvidence], ...] = ()
 
 
-def remember(pod: str, ledger: Ledger, now: float, wall_now: float) -> PodMemory:
+def remember(
+    pod: str, ledger: Ledger, scores: Scoreboard, now: float, wall_now: float
+) -> PodMemory:
     """The pod's own memory now (`now` on the ledger's clock, `wall_now` the epoch's)."""
-    return PodMemory(pod, wall_now, tuple(ledger.evidence(now)))
+    return PodMemory(pod, wall_now, tuple(ledger.evidence(now)), tuple(scores.evidence()))
 
 
-def restore(memory: PodMemory, ledger: Ledger, now: float, wall_now: float) -> bool:
-    """Take the pod's own memory back into a fresh ledger; False when it is too old to."""
+def restore(
+    memory: PodMemory, ledger: Ledger, scores: Scoreboard, now: float, wall_now: float
+) -> bool:
+    """Take the pod's own memory back into a fresh ledger and scoreboard; False when it is
+    too old to. (Beliefs are forgotten for the time spent on the shelf; a score decays
+    per observation, not per hour, so it comes back as it was.)"""
     age = max(0.0, wall_now - memory.written_at)
     if age > MAX_RESTORE_AGE_SECONDS:
         return False
     ledger.restore(memory.machines, age, now)
+    scores.restore(memory.scores, now)
     return True
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -179,6 +180,16 @@ class ScoreView:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class ScoreEvidence:
+    """A running score as numbers a pod can keep or share: its observation count, its
+    smoothed mean, and the total weight behind that mean (at most 1 / alpha)."""
+
+    n: int
+    mean: float
+    weight: float
+
+
 class RunningScore:
     """A bias-corrected exponentially weighted mean of observations, and their count.
 
@@ -210,6 +221,18 @@ class RunningScore:
     @property
     def observed(self) -> float | None:
         return None if self.n == 0 else self._weighted / self._weight
+
+    def evidence(self) -> ScoreEvidence | None:
+        if self.n == 0:
+            return None
+        return ScoreEvidence(self.n, self._weighted / self._weight, self._weight)
+
+    def restore(self, evidence: ScoreEvidence) -> None:
+        """Take back a record kept elsewhere (a restart): the same mean, count and weight
+        (so the next observation moves it exactly as it would have)."""
+        self.n = evidence.n
+        self._weight = evidence.weight
+        self._weighted = evidence.mean * evidence.weight
 
     def view(self, settings: ScoreSettings, neutral: float) -> ScoreView:
         if self.n == 0:
@@ -359,6 +382,25 @@ class Scoreboard:
             (key, record.view, None if record.semantic is None else record.semantic.view)
             for key, record in self._records.items()
         ]
+
+    # -- memory across restarts ------------------------------------------------------------
+
+    def evidence(self) -> list[tuple[MachineKey, ScoreEvidence]]:
+        """Every machine's operational record, most recently observed first."""
+        found = []
+        for key, record in reversed(self._records.items()):
+            evidence = record.operational.evidence()
+            if evidence is not None:
+                found.append((key, evidence))
+        return found
+
+    def restore(self, items: Iterable[tuple[MachineKey, ScoreEvidence]], now: float) -> None:
+        """Take back operational records kept before a restart. (Semantic scores are not
+        kept: an evaluator's judgments count from the restart on.)"""
+        for key, evidence in items:
+            record = self._record(key, now)
+            record.operational.restore(evidence)
+            record.view = record.operational.view(self.settings, UNIT_SCALE.neutral)
 
     # -- bookkeeping -----------------------------------------------------------------------
 

@@ -70,18 +70,22 @@ class StateKeeper:
         if memory is None:
             return
         dispatcher = self._state.dispatcher
-        if restore(memory, dispatcher.ledger, dispatcher.now(), time.time()):
+        now, wall_now = dispatcher.now(), time.time()
+        if restore(memory, dispatcher.ledger, dispatcher.scores, now, wall_now):
             log.info(
-                "memory restored path=%s machines=%d age_s=%.0f",
+                "memory restored path=%s machines=%d scores=%d age_s=%.0f",
                 self._path,
                 len(memory.machines),
-                max(0.0, time.time() - memory.written_at),
+                len(memory.scores),
+                max(0.0, wall_now - memory.written_at),
             )
 
     async def save(self) -> None:
         dispatcher = self._state.dispatcher
         # Taken on the loop (the ledger is the loop's), written in a worker thread.
-        memory = remember(pod_name(), dispatcher.ledger, dispatcher.now(), time.time())
+        memory = remember(
+            pod_name(), dispatcher.ledger, dispatcher.scores, dispatcher.now(), time.time()
+        )
         try:
             await asyncio.to_thread(write_memory, self._path, memory)
         except OSError as error:

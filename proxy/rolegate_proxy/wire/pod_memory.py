@@ -3,12 +3,14 @@ bounded, and read as untrusted input.
 
     {"format": 1, "pod": "rolegate-proxy-7d9f-abcde", "writtenAt": 1764763200.0,
      "machines": [["openrouter", "qwen/qwen3-coder", "deepinfra", 42,
-                   [8.1, -3.2, 1.9], [8.0, -24.6, 76.1]], ...]}
+                   [8.1, -3.2, 1.9], [8.0, -24.6, 76.1], [42, 0.97619, 25.3]], ...]}
 
-Each machine is `[provider, model, machine, sightings, ttft, gap]`, where `ttft` and `gap`
-are `[n, sum of logs, sum of squared logs]` (null when nothing was seen), numbers kept to
-six significant digits. About 110 bytes a machine with typical names: 1,000 machines
-are ~110 KB, well inside etcd's 1.5 MiB object limit and a file written in a millisecond.
+Each machine is `[provider, model, machine, sightings, ttft, gap, score]`: `ttft` and
+`gap` are `[n, sum of logs, sum of squared logs]` (the ledger's evidence), `score` is
+`[observations, smoothed mean, weight]` (the operational score's record); each null when
+there is none. Numbers are kept to six significant digits. About 130 bytes a machine with
+typical names: 1,000 machines are ~130 KB, well inside etcd's 1.5 MiB object limit and a
+file written in a millisecond.
 
 A memory that does not parse, names a newer format, or breaks a bound is refused whole
 (`MemoryFormatError`): a pod starts cold rather than from a half-read memory.
@@ -23,6 +25,7 @@ import orjson
 
 from ..core.beliefs import Evidence, MachineEvidence, MachineKey
 from ..core.fleet import PodMemory
+from ..core.score import ScoreEvidence
 
 FORMAT: Final = 1
 # Machines a memory may hold: the ledger's own bound.
@@ -38,22 +41,19 @@ class MemoryFormatError(ValueError):
 
 
 def encode(memory: PodMemory) -> bytes:
+    rows: dict[MachineKey, list[Any]] = {}
+    for item in memory.machines:
+        row = rows.setdefault(item.key, [*item.key, 0, None, None, None])
+        row[3:6] = [item.sightings, _evidence(item.ttft), _evidence(item.gap)]
+    for key, score in memory.scores:
+        row = rows.setdefault(key, [*key, 0, None, None, None])
+        row[6] = [score.n, _short(score.mean), _short(score.weight)]
     return orjson.dumps(
         {
             "format": FORMAT,
             "pod": memory.pod,
             "writtenAt": round(memory.written_at, 3),
-            "machines": [
-                [
-                    item.key.provider,
-                    item.key.model,
-                    item.key.machine,
-                    item.sightings,
-                    _evidence(item.ttft),
-                    _evidence(item.gap),
-                ]
-                for item in memory.machines[:MAX_MACHINES]
-            ],
+            "machines": list(rows.values())[:MAX_MACHINES],
         }
     )
 
@@ -83,26 +83,39 @@ def decode(data: bytes) -> PodMemory:
     written_at = document.get("writtenAt")
     if not _number(written_at) or written_at < 0:
         raise MemoryFormatError("writtenAt is not a time")
+    evidence: list[MachineEvidence] = []
+    scores: list[tuple[MachineKey, ScoreEvidence]] = []
+    for index, item in enumerate(machines):
+        where = f"machines[{index}]"
+        if not isinstance(item, list) or len(item) != 7:
+            raise MemoryFormatError(f"{where} is not a list of 7")
+        provider, model, machine, sightings, ttft, gap, score = item
+        key = MachineKey(_name(provider, where), _name(model, where), _name(machine, where))
+        if not _count(sightings):
+            raise MemoryFormatError(f"{where}: sightings is not a count")
+        beliefs = (_read_evidence(ttft, f"{where}: ttft"), _read_evidence(gap, f"{where}: gap"))
+        if beliefs != (None, None):
+            evidence.append(MachineEvidence(key, *beliefs, sightings))
+        if score is not None:
+            scores.append((key, _read_score(score, f"{where}: score")))
     return PodMemory(
-        _name(document.get("pod"), "pod"),
-        float(written_at),
-        tuple(_machine(item, index) for index, item in enumerate(machines)),
+        _name(document.get("pod"), "pod"), float(written_at), tuple(evidence), tuple(scores)
     )
 
 
-def _machine(item: Any, index: int) -> MachineEvidence:
-    where = f"machines[{index}]"
-    if not isinstance(item, list) or len(item) != 6:
-        raise MemoryFormatError(f"{where} is not a list of 6")
-    provider, model, machine, sightings, ttft, gap = item
-    if not isinstance(sightings, int) or isinstance(sightings, bool) or sightings < 0:
-        raise MemoryFormatError(f"{where}: sightings is not a count")
-    return MachineEvidence(
-        MachineKey(_name(provider, where), _name(model, where), _name(machine, where)),
-        _read_evidence(ttft, f"{where}: ttft"),
-        _read_evidence(gap, f"{where}: gap"),
-        sightings,
-    )
+def _count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+
+
+def _read_score(value: Any, where: str) -> ScoreEvidence:
+    if not isinstance(value, list) or len(value) != 3:
+        raise MemoryFormatError(f"{where} is not [observations, mean, weight]")
+    n, mean, weight = value
+    if not (_count(n) and n > 0 and _number(mean) and _number(weight)):
+        raise MemoryFormatError(f"{where} is not [observations, mean, weight]")
+    if not (0.0 <= mean <= 1.0 and 0.0 < weight <= n):
+        raise MemoryFormatError(f"{where} is out of range")
+    return ScoreEvidence(n, float(mean), float(weight))
 
 
 def _read_evidence(value: Any, where: str) -> Evidence | None:
