@@ -9,11 +9,11 @@ import orjson
 import pytest
 
 from rolegate_proxy.core.beliefs import Evidence, MachineEvidence, MachineKey
-from rolegate_proxy.core.fleet import PodMemory, peer_evidence
+from rolegate_proxy.core.fleet import PodMemory
 from rolegate_proxy.core.score import ScoreEvidence
 from rolegate_proxy.wire.pod_memory import MAX_MACHINES, MemoryFormatError, decode, encode
 
-from .test_beliefs import HOUR, ledger, seen
+from .test_beliefs import ledger, seen
 
 
 def learned(machines: int) -> PodMemory:
@@ -74,17 +74,6 @@ def test_a_ledger_s_memory_round_trips_through_the_wire() -> None:
     assert decode(encode(memory)).machines[0].key == MachineKey(
         "openrouter", "qwen/qwen3-coder", "fast"
     )
-
-
-def test_a_peer_s_evidence_is_weighed_by_its_age_and_the_pod_s_own_is_skipped() -> None:
-    mine, theirs, old = learned(1), learned(1), learned(1)
-    fleet = [
-        PodMemory("me", 1000.0, mine.machines),
-        PodMemory("b", 1000.0, theirs.machines),
-        PodMemory("c", 1000.0 - HOUR, old.machines),
-    ]
-    weights = [weight for _, weight in peer_evidence(fleet, "me", 1000.0, half_life=1800.0)]
-    assert weights == pytest.approx([1.0, 0.25])
 
 
 def one_row(row: str) -> bytes:

@@ -12,7 +12,7 @@ Pure: the clock is an argument; no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -57,14 +57,25 @@ def restore(
     return True
 
 
-def peer_evidence(
-    memories: Iterable[PodMemory], own_pod: str, wall_now: float, half_life: float
-) -> Iterator[tuple[MachineEvidence, float]]:
-    """Every peer's evidence with the weight its age leaves it (this pod's own memory, as
-    the fleet holds it, is skipped: the ledger already has it)."""
-    for memory in memories:
-        if memory.pod == own_pod:
-            continue
-        weight = 0.5 ** (max(0.0, wall_now - memory.written_at) / half_life)
-        for machine in memory.machines:
-            yield machine, weight
+def hear_fleet(
+    memories: Iterable[PodMemory],
+    own_pod: str,
+    ledger: Ledger,
+    scores: Scoreboard,
+    now: float,
+    wall_now: float,
+) -> None:
+    """Take every peer's memory into this pod's priors, each weighted by its age (halved
+    every ledger half-life: an hour-old report counts a quarter), this pod's own skipped
+    (the ledger and scoreboard already have it). Replaces what was heard before."""
+    half_life = ledger.settings.half_life_seconds
+    peers = [
+        (memory, 0.5 ** (max(0.0, wall_now - memory.written_at) / half_life))
+        for memory in memories
+        if memory.pod != own_pod
+    ]
+    ledger.hear(((item, weight) for memory, weight in peers for item in memory.machines), now)
+    scores.hear(
+        ((key, evidence, weight) for memory, weight in peers for key, evidence in memory.scores),
+        now,
+    )

@@ -272,13 +272,15 @@ class _Semantic:
 
 
 class _Record:
-    __slots__ = ("kinds", "last_at", "operational", "semantic", "view")
+    __slots__ = ("heard", "kinds", "last_at", "operational", "semantic", "view")
 
     def __init__(self, alpha: float, view: ScoreView) -> None:
         self.operational = RunningScore(alpha)
         self.kinds: dict[ObservationKind, int] = {}
         self.semantic: _Semantic | None = None
         self.last_at: float | None = None
+        # What the fleet's other pods observed of this machine (see `Scoreboard.hear`).
+        self.heard: ScoreEvidence | None = None
         # The operational view, recomputed on every observation: reads far outnumber
         # writes (every machine is read on every routing decision).
         self.view = view
@@ -314,7 +316,7 @@ class Scoreboard:
         record = self._record(key, now)
         record.operational.observe(value, now)
         record.kinds[kind] = record.kinds.get(kind, 0) + 1
-        record.view = record.operational.view(self.settings, UNIT_SCALE.neutral)
+        record.view = self._view_of(record)
         return record.view
 
     def judge(
@@ -400,7 +402,47 @@ class Scoreboard:
         for key, evidence in items:
             record = self._record(key, now)
             record.operational.restore(evidence)
-            record.view = record.operational.view(self.settings, UNIT_SCALE.neutral)
+            record.view = self._view_of(record)
+
+    def hear(self, peers: Iterable[tuple[MachineKey, ScoreEvidence, float]], now: float) -> None:
+        """Replace what the fleet said: each peer's record with the weight its age leaves
+        it, summed per machine, counted with this pod's own observations in the view (the
+        mean weighted by the records' weights, the count by their counts). Only `evidence`
+        is ever shared, so nothing heard is passed on."""
+        heard: dict[MachineKey, tuple[float, float, float]] = {}
+        for key, evidence, weight in peers:
+            if weight <= 0:
+                continue
+            n, total, weighted = heard.get(key, (0.0, 0.0, 0.0))
+            heard[key] = (
+                n + evidence.n * weight,
+                total + evidence.weight * weight,
+                weighted + evidence.mean * evidence.weight * weight,
+            )
+        for key, record in self._records.items():
+            if record.heard is not None and key not in heard:
+                record.heard = None
+                record.view = self._view_of(record)
+        for key, (n, total, weighted) in heard.items():
+            found = self._records.get(key)
+            record = found if found is not None else self._record(key, now)
+            record.heard = ScoreEvidence(round(n), weighted / total, total)
+            record.view = self._view_of(record)
+
+    def _view_of(self, record: _Record) -> ScoreView:
+        """The operational view: this pod's record, and the fleet's when it heard one."""
+        own, heard = record.operational, record.heard
+        if heard is None or heard.n == 0:
+            return own.view(self.settings, UNIT_SCALE.neutral)
+        combined = RunningScore(self._alpha)
+        mine = own.evidence()
+        if mine is None:
+            combined.restore(heard)
+        else:
+            weight = mine.weight + heard.weight
+            mean = (mine.mean * mine.weight + heard.mean * heard.weight) / weight
+            combined.restore(ScoreEvidence(mine.n + heard.n, mean, weight))
+        return combined.view(self.settings, UNIT_SCALE.neutral)
 
     # -- bookkeeping -----------------------------------------------------------------------
 

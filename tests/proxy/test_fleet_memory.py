@@ -1,0 +1,71 @@
+"""A fleet of proxy pods as one memory, in the pure core: each pod hears the others'
+evidence (weighted by its age), never its own twice and never passes on what it heard."""
+
+from __future__ import annotations
+
+import pytest
+
+from rolegate_proxy.core.beliefs import MachineKey
+from rolegate_proxy.core.fleet import PodMemory, hear_fleet, remember
+from rolegate_proxy.core.score import ObservationKind, Scoreboard
+
+from .test_beliefs import AGG, HOUR, MODEL, ledger, seen
+
+SLOW = MachineKey(AGG, MODEL, "slow")
+SHEET = (("fast", 2.0, 50.0), ("slow", 2.0, 50.0))
+
+
+def pod(name: str, failures: int, *, wall: float = 1000.0) -> PodMemory:
+    """The memory of a pod that saw `slow` fail `failures` times, slowly."""
+    book, scores = ledger(*SHEET), Scoreboard()
+    for i in range(failures):
+        book.file(seen("slow", 90.0 + i * 0.1, ttft=8.0))
+        scores.observe(SLOW, ObservationKind.EMPTY_SUCCESS, 90.0 + i * 0.1)
+    return remember(name, book, scores, 100.0, wall)
+
+
+def test_three_pods_count_as_one_memory_and_none_counts_itself_twice() -> None:
+    a, b, c = pod("a", 10), pod("b", 10), pod("c", 10)
+    book, scores = ledger(*SHEET), Scoreboard()
+    for i in range(10):  # pod a's own ten, as its ledger and scoreboard hold them
+        book.file(seen("slow", 90.0 + i * 0.1, ttft=8.0))
+        scores.observe(SLOW, ObservationKind.EMPTY_SUCCESS, 90.0 + i * 0.1)
+    hear_fleet([a, b, c], "a", book, scores, 100.0, 1000.0)
+    view = scores.operational(SLOW)
+    assert view.n == 30  # its own ten and its two peers' twenty: a's own not again
+    assert view.observed == pytest.approx(0.0)
+    assert view.confidence == pytest.approx(30 / 50)
+    # What it shares is still its own ten only.
+    mine = remember("a", book, scores, 100.0, 1000.0)
+    assert [evidence.n for _, evidence in mine.scores] == [10]
+    belief = book.belief_of(SLOW, 100.0)
+    alone = ledger(*SHEET)
+    for i in range(10):
+        alone.file(seen("slow", 90.0 + i * 0.1, ttft=8.0))
+    lonely = alone.belief_of(SLOW, 100.0)
+    assert belief is not None
+    assert lonely is not None
+    assert belief.ttft is not None
+    assert lonely.ttft is not None
+    assert belief.ttft.weight > lonely.ttft.weight
+
+
+def test_an_old_report_counts_for_less_and_silence_forgets_it() -> None:
+    book, scores = ledger(*SHEET), Scoreboard()
+    fresh, stale = pod("b", 10, wall=1000.0), pod("c", 10, wall=1000.0 - HOUR)
+    hear_fleet([fresh, stale], "a", book, scores, 100.0, 1000.0)
+    assert scores.operational(SLOW).n == 10 + round(10 * 0.25)  # an hour: two half-lives
+    hear_fleet([], "a", book, scores, 100.0, 1000.0)
+    assert scores.operational(SLOW).n == 0
+    assert book.belief_of(SLOW, 100.0) == ledger(*SHEET).belief_of(SLOW, 100.0)
+
+
+def test_a_machine_only_a_peer_has_scored_is_scored_here_too() -> None:
+    scores = Scoreboard()
+    hear_fleet([pod("b", 60)], "a", ledger(*SHEET), scores, 100.0, 1000.0)
+    view = scores.operational(SLOW)
+    assert (view.n, view.confidence) == (60, 1.0)
+    assert view.score == pytest.approx(0.0)
+    # Its own observations then add to the fleet's.
+    scores.observe(SLOW, ObservationKind.OK, 101.0)
+    assert scores.operational(SLOW).n == 61
