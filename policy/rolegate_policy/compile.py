@@ -578,7 +578,7 @@ class _GrantStage:
         self.compiled.append(
             CompiledGrant(
                 name=f"{namespace}/{manifest.name}",
-                source=manifest.source,
+                source=manifest.display_name,
                 roles=tuple(sorted(set(spec.roles))),
                 service_accounts=tuple(
                     sorted(

@@ -328,15 +328,25 @@ def test_shuffled_input_gives_byte_identical_output(seed: int) -> None:
 
 
 def test_hash_ignores_sources_of_files_but_not_content() -> None:
-    base = compile_objects(provider(), role_table("t", role()))
+    # `rolegate compile DIR` names each manifest by its file, the operator by its
+    # namespace/name: both must write the same hash, for every kind.
+    grant = {
+        "apiVersion": "rolegate.dev/v1alpha1",
+        "kind": "AccessGrant",
+        "metadata": {"name": "open", "namespace": "ns"},
+        "spec": {"subjects": [{"anonymous": True}], "roles": ["*"]},
+    }
+    base = compile_objects(provider(), role_table("t", role()), grant)
     renamed = compile_manifests(
         [
             manifest_from_object(provider(), "x.yaml"),
             manifest_from_object(role_table("t", role()), "y.yaml"),
+            manifest_from_object(grant, "z.yaml"),
         ]
     )
+    assert renamed.all_accepted
     assert renamed.config.hash == base.config.hash
-    changed = compile_objects(provider(), role_table("t", role(patienceSeconds=31)))
+    changed = compile_objects(provider(), role_table("t", role(patienceSeconds=31)), grant)
     assert changed.config.hash != base.config.hash
 
 
