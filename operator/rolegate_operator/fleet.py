@@ -88,7 +88,7 @@ def programmed(
         return _programmed(
             ConditionStatus.TRUE,
             SERVED,
-            f"All {_pods(total)} serve configuration {config_hash}, which holds generation "
+            f"{_every(total)} configuration {config_hash}, which holds generation "
             f"{generation}.",
             generation,
         )
@@ -141,6 +141,11 @@ def _resolved(
     status: ConditionStatus, reason: str, message: str, generation: int
 ) -> DesiredCondition:
     return DesiredCondition(RESOLVED_REFS, status, reason, message, generation)
+
+
+def _every(count: int) -> str:
+    """Who serves it, spelled for one pod or many."""
+    return "The 1 proxy pod serves" if count == 1 else f"All {count} proxy pods serve"
 
 
 def _pods(count: int) -> str:

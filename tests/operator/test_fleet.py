@@ -27,6 +27,8 @@ def test_every_pod_on_the_compiled_hash_is_programmed() -> None:
     assert (condition.status.value, condition.reason) == ("True", "Served")
     assert condition.observed_generation == 3
     assert "All 2 proxy pods serve configuration" in condition.message
+    alone = programmed(3, 3, NEW, Fleet.from_reports([report("a")]))
+    assert alone.message.startswith("The 1 proxy pod serves configuration")
 
 
 def test_a_pod_on_an_older_hash_is_waited_for_by_name() -> None:
