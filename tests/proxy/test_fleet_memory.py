@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import pytest
 
+from rolegate_policy.model import BreakerSpec
 from rolegate_proxy.core.beliefs import MachineKey
-from rolegate_proxy.core.fleet import PodMemory, hear_fleet, remember
+from rolegate_proxy.core.exclusions import BreakerKey, Trigger
+from rolegate_proxy.core.fleet import PodMemory, hear_fleet, remember, restore
 from rolegate_proxy.core.score import ObservationKind, Scoreboard
+from rolegate_proxy.wire.pod_memory import decode, encode
 
 from .test_beliefs import AGG, HOUR, MODEL, ledger, seen
+from .test_breaker import empty, make
 
 SLOW = MachineKey(AGG, MODEL, "slow")
 SHEET = (("fast", 2.0, 50.0), ("slow", 2.0, 50.0))
@@ -69,3 +73,30 @@ def test_a_machine_only_a_peer_has_scored_is_scored_here_too() -> None:
     # Its own observations then add to the fleet's.
     scores.observe(SLOW, ObservationKind.OK, 101.0)
     assert scores.operational(SLOW).n == 61
+
+
+def test_a_signature_seen_before_a_restart_is_familiar_after_it() -> None:
+    """One empty answer on the old process, twenty minutes before: after the restart two
+    more are a familiar signature (five needed), not a novel burst (two trip)."""
+    before = make()
+    before.record(empty(), 0.0)
+    kept = remember("a", ledger(*SHEET), Scoreboard(), 10.0, 1000.0, breakers=before)
+    (marks,) = decode(encode(kept)).faults
+    assert (marks.key, marks.signature, marks.ages) == (
+        BreakerKey("p", "m"),
+        "empty_response",
+        (10.0,),
+    )
+
+    restarted, forgetful = make(), make()
+    restore(decode(encode(kept)), ledger(*SHEET), Scoreboard(), 5.0, 2200.0, breakers=restarted)
+    for breakers in (restarted, forgetful):
+        breakers.record(empty(), 6.0)
+    assert restarted.record(empty(), 7.0) == []
+    (trip,) = forgetful.record(empty(), 7.0)
+    assert trip.trigger is Trigger.NOVELTY
+    # A baseline older than the novelty window is not taken back.
+    stale = make(BreakerSpec(jitter_fraction=0, novelty_window_seconds=30))
+    restore(decode(encode(kept)), ledger(*SHEET), Scoreboard(), 5.0, 2200.0, breakers=stale)
+    stale.record(empty(), 6.0)
+    assert stale.record(empty(), 7.0) != []

@@ -96,6 +96,21 @@ def one_row(row: str) -> bytes:
         (one_row('["a","b\\u0000","c",1,null,null,null]'), "unprintable"),
         (one_row('["a","b","c",1,null,null,[2,1.5,1]]'), "score is out of range"),
         (one_row('["a","b","c",1,null,null,[0,0.5,1]]'), "score is not"),
+        (
+            b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [], '
+            b'"faults": [["p", null, "x", "empty_response", [1]]]}',
+            "a machine without its model",
+        ),
+        (
+            b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [], '
+            b'"faults": [["p", "m", null, "empty_response", [-1]]]}',
+            "an age is not",
+        ),
+        (
+            b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [], '
+            b'"faults": [["p", "m", null, "empty_response", []]]}',
+            "ages is not a list",
+        ),
     ],
 )
 def test_what_is_not_a_memory_is_refused_whole_naming_what_is_wrong(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import islice
@@ -70,6 +70,21 @@ MAX_HISTORY: Final = 1024
 IDLE_SWEEP_SECONDS: Final = 1.0
 # Nothing legitimate multiplies a cooldown this many times.
 _MAX_DOUBLINGS: Final = 2048
+
+
+# Fault marks a pod keeps of one signature across a restart (the newest, and the rest
+# thinned evenly): enough for "was it seen in the novelty window before this burst".
+MAX_KEPT_MARKS: Final = 32
+
+
+@dataclass(frozen=True, slots=True)
+class FaultMarks:
+    """When one fault signature was seen on one key, as a pod keeps it across a restart:
+    seconds before the moment it was kept, oldest first (the novelty baseline)."""
+
+    key: BreakerKey
+    signature: str
+    ages: tuple[float, ...]
 
 
 class TransportFault(StrEnum):
@@ -929,6 +944,33 @@ class Breakers:
         else:
             history.ensure(needed, settings.novelty_window_seconds, self._burst)
         return history
+
+    # -- memory across restarts ------------------------------------------------------------
+
+    def fault_marks(self, now: float) -> list[FaultMarks]:
+        """Every signature's novelty baseline, as ages at `now`."""
+        kept = []
+        for key, entry in self._entries.items():
+            for signature, history in entry.signatures.items():
+                marks = list(history.marks)
+                if not marks:
+                    continue
+                if len(marks) > MAX_KEPT_MARKS:
+                    step = len(marks) / (MAX_KEPT_MARKS - 1)
+                    marks = [marks[int(i * step)] for i in range(MAX_KEPT_MARKS - 1)] + marks[-1:]
+                kept.append(FaultMarks(key, signature, tuple(max(0.0, now - at) for at in marks)))
+        return kept
+
+    def restore_marks(self, kept: Iterable[FaultMarks], age: float, now: float) -> None:
+        """Take a novelty baseline back after a restart (`age`: how long it was kept): a
+        signature seen within its window before the restart is familiar after it."""
+        for item in kept:
+            settings = self._settings_for(item.key.provider)
+            entry = self._entry(item.key, now)
+            history = self._history(entry, item.signature, settings)
+            for at in sorted(now - age - mark for mark in item.ages):
+                if now - at <= settings.novelty_window_seconds:
+                    history.marks.append(at)
 
     def _evict(self, now: float) -> None:
         # Closed keys idle for longer than their novelty window (hours) hold nothing worth

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from .beliefs import Ledger, MachineEvidence, MachineKey
+from .breaker import Breakers, FaultMarks
 from .score import Scoreboard, ScoreEvidence
 
 # A memory older than this is not taken back at start: what it knew is stale anyway (the
@@ -34,26 +35,44 @@ class PodMemory:
     # The speed beliefs' evidence (the ledger's), and the operational scores' records.
     machines: tuple[MachineEvidence, ...] = ()
     scores: tuple[tuple[MachineKey, ScoreEvidence], ...] = ()
+    # The breakers' novelty baseline: when each fault signature was seen, per key.
+    faults: tuple[FaultMarks, ...] = ()
 
 
 def remember(
-    pod: str, ledger: Ledger, scores: Scoreboard, now: float, wall_now: float
+    pod: str,
+    ledger: Ledger,
+    scores: Scoreboard,
+    now: float,
+    wall_now: float,
+    *,
+    breakers: Breakers | None = None,
 ) -> PodMemory:
     """The pod's own memory now (`now` on the ledger's clock, `wall_now` the epoch's)."""
-    return PodMemory(pod, wall_now, tuple(ledger.evidence(now)), tuple(scores.evidence()))
+    faults = () if breakers is None else tuple(breakers.fault_marks(now))
+    return PodMemory(pod, wall_now, tuple(ledger.evidence(now)), tuple(scores.evidence()), faults)
 
 
 def restore(
-    memory: PodMemory, ledger: Ledger, scores: Scoreboard, now: float, wall_now: float
+    memory: PodMemory,
+    ledger: Ledger,
+    scores: Scoreboard,
+    now: float,
+    wall_now: float,
+    *,
+    breakers: Breakers | None = None,
 ) -> bool:
-    """Take the pod's own memory back into a fresh ledger and scoreboard; False when it is
-    too old to. (Beliefs are forgotten for the time spent on the shelf; a score decays
-    per observation, not per hour, so it comes back as it was.)"""
+    """Take the pod's own memory back into a fresh ledger, scoreboard and breakers; False
+    when it is too old to. (Beliefs are forgotten for the time spent on the shelf; a score
+    decays per observation, not per hour, so it comes back as it was; a fault signature
+    stays familiar for the rest of its novelty window.)"""
     age = max(0.0, wall_now - memory.written_at)
     if age > MAX_RESTORE_AGE_SECONDS:
         return False
     ledger.restore(memory.machines, age, now)
     scores.restore(memory.scores, now)
+    if breakers is not None:
+        breakers.restore_marks(memory.faults, age, now)
     return True
 
 

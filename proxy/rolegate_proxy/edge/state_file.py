@@ -71,12 +71,14 @@ class StateKeeper:
             return
         dispatcher = self._state.dispatcher
         now, wall_now = dispatcher.now(), time.time()
-        if restore(memory, dispatcher.ledger, dispatcher.scores, now, wall_now):
+        learners = (dispatcher.ledger, dispatcher.scores)
+        if restore(memory, *learners, now, wall_now, breakers=dispatcher.breakers):
             log.info(
-                "memory restored path=%s machines=%d scores=%d age_s=%.0f",
+                "memory restored path=%s machines=%d scores=%d signatures=%d age_s=%.0f",
                 self._path,
                 len(memory.machines),
                 len(memory.scores),
+                len(memory.faults),
                 max(0.0, wall_now - memory.written_at),
             )
 
@@ -84,7 +86,12 @@ class StateKeeper:
         dispatcher = self._state.dispatcher
         # Taken on the loop (the ledger is the loop's), written in a worker thread.
         memory = remember(
-            pod_name(), dispatcher.ledger, dispatcher.scores, dispatcher.now(), time.time()
+            pod_name(),
+            dispatcher.ledger,
+            dispatcher.scores,
+            dispatcher.now(),
+            time.time(),
+            breakers=dispatcher.breakers,
         )
         try:
             await asyncio.to_thread(write_memory, self._path, memory)

@@ -3,14 +3,18 @@ bounded, and read as untrusted input.
 
     {"format": 1, "pod": "rolegate-proxy-7d9f-abcde", "writtenAt": 1764763200.0,
      "machines": [["openrouter", "qwen/qwen3-coder", "deepinfra", 42,
-                   [8.1, -3.2, 1.9], [8.0, -24.6, 76.1], [42, 0.97619, 25.3]], ...]}
+                   [8.1, -3.2, 1.9], [8.0, -24.6, 76.1], [42, 0.97619, 25.3]], ...],
+     "faults": [["openrouter", "qwen/qwen3-coder", null, "empty_response",
+                 [80412.5, 3601.2, 12.0]], ...]}
 
 Each machine is `[provider, model, machine, sightings, ttft, gap, score]`: `ttft` and
 `gap` are `[n, sum of logs, sum of squared logs]` (the ledger's evidence), `score` is
 `[observations, smoothed mean, weight]` (the operational score's record); each null when
 there is none. Numbers are kept to six significant digits. About 130 bytes a machine with
 typical names: 1,000 machines are ~130 KB, well inside etcd's 1.5 MiB object limit and a
-file written in a millisecond.
+file written in a millisecond. Each fault row is `[provider, model, machine, signature,
+ages]`: a breaker key (model and machine null for a wider key), a fault signature, and
+when it was seen, in seconds before `writtenAt` (the novelty baseline).
 
 A memory that does not parse, names a newer format, or breaks a bound is refused whole
 (`MemoryFormatError`): a pod starts cold rather than from a half-read memory.
@@ -24,6 +28,8 @@ from typing import Any, Final, TypeGuard
 import orjson
 
 from ..core.beliefs import Evidence, MachineEvidence, MachineKey
+from ..core.breaker import FaultMarks
+from ..core.exclusions import BreakerKey
 from ..core.fleet import PodMemory
 from ..core.score import ScoreEvidence
 
@@ -31,6 +37,9 @@ FORMAT: Final = 1
 # Machines a memory may hold: the ledger's own bound.
 MAX_MACHINES: Final = 4096
 MAX_NAME_CHARS: Final = 253
+# Fault rows a memory may hold, and marks a row may hold.
+MAX_FAULTS: Final = 4096
+MAX_MARKS: Final = 64
 # No pseudo-count is larger than the ledger's cap; this bound only refuses nonsense.
 MAX_COUNT: Final = 1e9
 
@@ -54,6 +63,10 @@ def encode(memory: PodMemory) -> bytes:
             "pod": memory.pod,
             "writtenAt": round(memory.written_at, 3),
             "machines": list(rows.values())[:MAX_MACHINES],
+            "faults": [
+                [*fault.key, fault.signature, [round(age, 1) for age in fault.ages[-MAX_MARKS:]]]
+                for fault in memory.faults[:MAX_FAULTS]
+            ],
         }
     )
 
@@ -98,9 +111,34 @@ def decode(data: bytes) -> PodMemory:
             evidence.append(MachineEvidence(key, *beliefs, sightings))
         if score is not None:
             scores.append((key, _read_score(score, f"{where}: score")))
+    faults = document.get("faults", [])
+    if not isinstance(faults, list) or len(faults) > MAX_FAULTS:
+        raise MemoryFormatError(f"faults is not a list of at most {MAX_FAULTS}")
     return PodMemory(
-        _name(document.get("pod"), "pod"), float(written_at), tuple(evidence), tuple(scores)
+        _name(document.get("pod"), "pod"),
+        float(written_at),
+        tuple(evidence),
+        tuple(scores),
+        tuple(_fault(item, f"faults[{index}]") for index, item in enumerate(faults)),
     )
+
+
+def _fault(item: Any, where: str) -> FaultMarks:
+    if not isinstance(item, list) or len(item) != 5:
+        raise MemoryFormatError(f"{where} is not a list of 5")
+    provider, model, machine, signature, ages = item
+    key = BreakerKey(
+        _name(provider, where),
+        None if model is None else _name(model, where),
+        None if machine is None else _name(machine, where),
+    )
+    if key.model is None and key.machine is not None:
+        raise MemoryFormatError(f"{where}: a machine without its model")
+    if not isinstance(ages, list) or not 0 < len(ages) <= MAX_MARKS:
+        raise MemoryFormatError(f"{where}: ages is not a list of 1 to {MAX_MARKS}")
+    if not all(_number(age) and age >= 0 for age in ages):
+        raise MemoryFormatError(f"{where}: an age is not a number of seconds")
+    return FaultMarks(key, _name(signature, where), tuple(float(age) for age in ages))
 
 
 def _count(value: Any) -> TypeGuard[int]:
