@@ -6,14 +6,16 @@ from __future__ import annotations
 import pytest
 
 from rolegate_policy.model import BreakerSpec
+from rolegate_policy.status import TripReason
 from rolegate_proxy.core.beliefs import MachineKey
+from rolegate_proxy.core.breaker import Attempted
 from rolegate_proxy.core.exclusions import BreakerKey, Trigger
 from rolegate_proxy.core.fleet import PodMemory, hear_fleet, remember, restore
 from rolegate_proxy.core.score import ObservationKind, Scoreboard
 from rolegate_proxy.wire.pod_memory import decode, encode
 
 from .test_beliefs import AGG, HOUR, MODEL, ledger, seen
-from .test_breaker import empty, make
+from .test_breaker import empty, make, open_breaker
 
 SLOW = MachineKey(AGG, MODEL, "slow")
 SHEET = (("fast", 2.0, 50.0), ("slow", 2.0, 50.0))
@@ -100,3 +102,49 @@ def test_a_signature_seen_before_a_restart_is_familiar_after_it() -> None:
     restore(decode(encode(kept)), ledger(*SHEET), Scoreboard(), 5.0, 2200.0, breakers=stale)
     stale.record(empty(), 6.0)
     assert stale.record(empty(), 7.0) != []
+
+
+def test_a_breaker_one_pod_holds_open_keeps_the_key_out_on_every_pod_until_it_closes() -> None:
+    a, c = make(), make()
+    open_breaker(a, lambda: Attempted.http_error("p", "m", 503, machine="bad"), 0.0, times=10)
+    said = decode(encode(remember("a", ledger(*SHEET), Scoreboard(), 2.0, 1000.0, breakers=a)))
+    assert said.trips == ((BreakerKey("p", "m", "bad"), TripReason.UPSTREAM_ERRORS),)
+
+    hear_fleet([said], "c", ledger(*SHEET), Scoreboard(), 50.0, 1001.0, breakers=c, trip_expiry=90)
+    refusal = c.exclusion("p", "m", "bad", 50.0)
+    assert refusal is not None
+    assert refusal.trigger is Trigger.FLEET
+    assert "proxy pod a" in refusal.detail
+    assert c.exclusion("p", "m", "good", 50.0) is None
+    # An aggregator attempt leaves the machine out; a probe is never c's to send.
+    attempt = c.admit_attempt("p", "m", ["bad", "good"], 50.0)
+    assert attempt.allowed
+    assert attempt.refused == ("bad",)
+    assert attempt.probes == ()
+    # A memory that stops coming stops excluding at the expiry (90 s after it was written,
+    # heard a second later)...
+    assert c.exclusion("p", "m", "bad", 50.0 + 88.9) is not None
+    assert c.exclusion("p", "m", "bad", 50.0 + 89.0) is None
+    # ...and a's next memory without the trip lifts it at once.
+    hear_fleet([said], "c", ledger(*SHEET), Scoreboard(), 60.0, 1001.0, breakers=c, trip_expiry=90)
+    closed = PodMemory("a", 1010.0)
+    hear_fleet(
+        [closed], "c", ledger(*SHEET), Scoreboard(), 61.0, 1011.0, breakers=c, trip_expiry=90
+    )
+    assert c.exclusion("p", "m", "bad", 61.0) is None
+
+
+def test_a_pod_s_own_trips_are_never_heard_back_and_a_wide_key_refuses_the_whole_model() -> None:
+    a = make()
+    open_breaker(a, empty, 0.0)  # model-wide
+    said = remember("a", ledger(*SHEET), Scoreboard(), 2.0, 1000.0, breakers=a)
+    itself = make()
+    hear_fleet(
+        [said], "a", ledger(*SHEET), Scoreboard(), 3.0, 1000.0, breakers=itself, trip_expiry=90
+    )
+    assert itself.exclusion("p", "m", None, 3.0) is None
+    other = make()
+    hear_fleet(
+        [said], "b", ledger(*SHEET), Scoreboard(), 3.0, 1000.0, breakers=other, trip_expiry=90
+    )
+    assert not other.admit("p", "m", "any", 3.0).allowed

@@ -111,6 +111,16 @@ def one_row(row: str) -> bytes:
             b'"faults": [["p", "m", null, "empty_response", []]]}',
             "ages is not a list",
         ),
+        (
+            b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [], '
+            b'"trips": [["p", "m", null, "Sunspots"]]}',
+            "the reason is not one rolegate knows",
+        ),
+        (
+            b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [], '
+            b'"trips": [["p", "m", null]]}',
+            "trips[0] is not a list of 4",
+        ),
     ],
 )
 def test_what_is_not_a_memory_is_refused_whole_naming_what_is_wrong(

@@ -87,6 +87,18 @@ class FaultMarks:
     ages: tuple[float, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class PeerTrip:
+    """A breaker another proxy pod of the fleet holds open: this pod keeps the key out of
+    rotation until `until` (its clock), unless that pod's next word lifts it sooner. That
+    pod alone probes the key; its closing the breaker clears it everywhere."""
+
+    key: BreakerKey
+    reason: TripReason
+    pod: str
+    until: float
+
+
 class TransportFault(StrEnum):
     """An attempt that failed without a usable HTTP status."""
 
@@ -389,6 +401,8 @@ class Breakers:
         # The active keys by what they cover, for the read every routing decision makes
         # for every machine (see `_check`): (provider, model, machine) of each key.
         self._covering: set[tuple[str, str | None, str | None]] = set()
+        # Keys the fleet's other pods hold open (see `hear_trips`).
+        self._fleet: dict[BreakerKey, PeerTrip] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -646,10 +660,13 @@ class Breakers:
         # Asked for every machine of every routing decision: answer at once when no active
         # key covers the candidate (the same test `_check` starts with).
         covering = self._covering
-        if not covering or (
-            (provider, None, None) not in covering
-            and (provider, model, None) not in covering
-            and (machine is None or (provider, model, machine) not in covering)
+        if not self._fleet and (
+            not covering
+            or (
+                (provider, None, None) not in covering
+                and (provider, model, None) not in covering
+                and (machine is None or (provider, model, machine) not in covering)
+            )
         ):
             return None
         return _longest(self._check(provider, model, machine, now)[0])
@@ -686,13 +703,22 @@ class Breakers:
         in the routing's `ignore`); a half-open machine makes this attempt its probe. So
         exactly one attempt probes a key, whatever the key's scope."""
         wide = self.admit(provider, model, None, now)
-        covering = self._covering
-        covered = [m for m in machines if (provider, model, m) in covering]
+        covering, fleet = self._covering, self._fleet
+        covered = [
+            m
+            for m in machines
+            if (provider, model, m) in covering
+            or (fleet and BreakerKey(provider, model, m) in fleet)
+        ]
         if not wide.allowed or not covered:
             return wide  # no machine has a key of its own: the common case, decided
         probes, transitions, refused = list(wide.probes), list(wide.transitions), []
         for machine in covered:
-            entry = self._entries.get(BreakerKey(provider, model, machine))
+            key = BreakerKey(provider, model, machine)
+            if self._peer_exclusion(key, now) is not None:
+                refused.append(machine)
+                continue
+            entry = self._entries.get(key)
             if entry is None:
                 continue
             excluded, half_open = self._check_entry(entry, now)
@@ -763,6 +789,11 @@ class Breakers:
         # covers this candidate. Only active keys (open, half-open or hard-excluded) can
         # refuse or hold a probe slot, and there are few of them.
         covering = self._covering
+        if self._fleet:
+            for key in covering_keys(provider, model, machine):
+                peer = self._peer_exclusion(key, now)
+                if peer is not None:
+                    refused.append(peer)
         if (
             (provider, None, None) not in covering
             and (provider, model, None) not in covering
@@ -778,6 +809,39 @@ class Breakers:
             if is_half_open:
                 half_open.append(entry)
         return refused, half_open
+
+    def _peer_exclusion(self, key: BreakerKey, now: float) -> Exclusion | None:
+        trip = self._fleet.get(key)
+        if trip is None or now >= trip.until:
+            return None
+        return Exclusion(
+            key,
+            Cause.BREAKER,
+            trip.reason,
+            BreakerPhase.OPEN,
+            now,
+            trip.until,
+            Trigger.FLEET,
+            f"tripped on proxy pod {trip.pod}, which probes it",
+        )
+
+    def hear_trips(self, trips: Iterable[PeerTrip]) -> None:
+        """Replace the breakers the fleet's other pods hold open (a key several hold stays
+        out until the latest `until`)."""
+        fleet: dict[BreakerKey, PeerTrip] = {}
+        for trip in trips:
+            held = fleet.get(trip.key)
+            if held is None or trip.until > held.until:
+                fleet[trip.key] = trip
+        self._fleet = fleet
+
+    def own_trips(self, now: float) -> list[tuple[BreakerKey, TripReason]]:
+        """This pod's open and half-open breakers (not what it heard), for the fleet."""
+        return [
+            (view.key, view.reason)
+            for view in self.snapshot(now, include_closed=False)
+            if view.cause is Cause.BREAKER and view.reason is not None
+        ]
 
     def _check_entry(self, entry: _Entry, now: float) -> tuple[list[Exclusion], bool]:
         """Every reason one key refuses now, or whether it is half-open with its probe slot

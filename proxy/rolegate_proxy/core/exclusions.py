@@ -39,6 +39,8 @@ class Trigger(StrEnum):
     PROBE = "Probe"
     # The upstream said so itself: 429, 401/403, 402.
     STATUS = "Status"
+    # Another proxy pod of the fleet tripped it; that pod probes it.
+    FLEET = "Fleet"
 
 
 class TransitionKind(StrEnum):

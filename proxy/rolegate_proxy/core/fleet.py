@@ -16,8 +16,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
+from rolegate_policy.status import TripReason
+
 from .beliefs import Ledger, MachineEvidence, MachineKey
-from .breaker import Breakers, FaultMarks
+from .breaker import Breakers, FaultMarks, PeerTrip
+from .exclusions import BreakerKey
 from .score import Scoreboard, ScoreEvidence
 
 # A memory older than this is not taken back at start: what it knew is stale anyway (the
@@ -37,6 +40,8 @@ class PodMemory:
     scores: tuple[tuple[MachineKey, ScoreEvidence], ...] = ()
     # The breakers' novelty baseline: when each fault signature was seen, per key.
     faults: tuple[FaultMarks, ...] = ()
+    # The breakers this pod holds open (or half-open) now: the fleet keeps them out too.
+    trips: tuple[tuple[BreakerKey, TripReason], ...] = ()
 
 
 def remember(
@@ -50,7 +55,10 @@ def remember(
 ) -> PodMemory:
     """The pod's own memory now (`now` on the ledger's clock, `wall_now` the epoch's)."""
     faults = () if breakers is None else tuple(breakers.fault_marks(now))
-    return PodMemory(pod, wall_now, tuple(ledger.evidence(now)), tuple(scores.evidence()), faults)
+    trips = () if breakers is None else tuple(breakers.own_trips(now))
+    return PodMemory(
+        pod, wall_now, tuple(ledger.evidence(now)), tuple(scores.evidence()), faults, trips
+    )
 
 
 def restore(
@@ -83,10 +91,17 @@ def hear_fleet(
     scores: Scoreboard,
     now: float,
     wall_now: float,
+    *,
+    breakers: Breakers | None = None,
+    trip_expiry: float = 0.0,
 ) -> None:
     """Take every peer's memory into this pod's priors, each weighted by its age (halved
     every ledger half-life: an hour-old report counts a quarter), this pod's own skipped
-    (the ledger and scoreboard already have it). Replaces what was heard before."""
+    (the ledger and scoreboard already have it). Replaces what was heard before.
+
+    With `breakers`, a breaker a peer holds open keeps its key out here too, for as long
+    as that peer's memory is younger than `trip_expiry` seconds (a pod that stops writing
+    stops excluding); the peer's next memory without it lifts it."""
     half_life = ledger.settings.half_life_seconds
     peers = [
         (memory, 0.5 ** (max(0.0, wall_now - memory.written_at) / half_life))
@@ -98,3 +113,10 @@ def hear_fleet(
         ((key, evidence, weight) for memory, weight in peers for key, evidence in memory.scores),
         now,
     )
+    if breakers is not None:
+        breakers.hear_trips(
+            PeerTrip(key, reason, memory.pod, now + trip_expiry - age)
+            for memory, _ in peers
+            if (age := max(0.0, wall_now - memory.written_at)) < trip_expiry
+            for key, reason in memory.trips
+        )

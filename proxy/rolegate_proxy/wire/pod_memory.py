@@ -5,7 +5,8 @@ bounded, and read as untrusted input.
      "machines": [["openrouter", "qwen/qwen3-coder", "deepinfra", 42,
                    [8.1, -3.2, 1.9], [8.0, -24.6, 76.1], [42, 0.97619, 25.3]], ...],
      "faults": [["openrouter", "qwen/qwen3-coder", null, "empty_response",
-                 [80412.5, 3601.2, 12.0]], ...]}
+                 [80412.5, 3601.2, 12.0]], ...],
+     "trips": [["openrouter", "qwen/qwen3-coder", "deepinfra", "EmptyResponses"], ...]}
 
 Each machine is `[provider, model, machine, sightings, ttft, gap, score]`: `ttft` and
 `gap` are `[n, sum of logs, sum of squared logs]` (the ledger's evidence), `score` is
@@ -14,7 +15,8 @@ there is none. Numbers are kept to six significant digits. About 130 bytes a mac
 typical names: 1,000 machines are ~130 KB, well inside etcd's 1.5 MiB object limit and a
 file written in a millisecond. Each fault row is `[provider, model, machine, signature,
 ages]`: a breaker key (model and machine null for a wider key), a fault signature, and
-when it was seen, in seconds before `writtenAt` (the novelty baseline).
+when it was seen, in seconds before `writtenAt` (the novelty baseline). Each trip row is
+`[provider, model, machine, reason]`: a breaker the pod holds open now.
 
 A memory that does not parse, names a newer format, or breaks a bound is refused whole
 (`MemoryFormatError`): a pod starts cold rather than from a half-read memory.
@@ -26,6 +28,8 @@ import math
 from typing import Any, Final, TypeGuard
 
 import orjson
+
+from rolegate_policy.status import TripReason
 
 from ..core.beliefs import Evidence, MachineEvidence, MachineKey
 from ..core.breaker import FaultMarks
@@ -67,6 +71,7 @@ def encode(memory: PodMemory) -> bytes:
                 [*fault.key, fault.signature, [round(age, 1) for age in fault.ages[-MAX_MARKS:]]]
                 for fault in memory.faults[:MAX_FAULTS]
             ],
+            "trips": [[*key, reason.value] for key, reason in memory.trips[:MAX_FAULTS]],
         }
     )
 
@@ -114,19 +119,31 @@ def decode(data: bytes) -> PodMemory:
     faults = document.get("faults", [])
     if not isinstance(faults, list) or len(faults) > MAX_FAULTS:
         raise MemoryFormatError(f"faults is not a list of at most {MAX_FAULTS}")
+    trips = document.get("trips", [])
+    if not isinstance(trips, list) or len(trips) > MAX_FAULTS:
+        raise MemoryFormatError(f"trips is not a list of at most {MAX_FAULTS}")
     return PodMemory(
         _name(document.get("pod"), "pod"),
         float(written_at),
         tuple(evidence),
         tuple(scores),
         tuple(_fault(item, f"faults[{index}]") for index, item in enumerate(faults)),
+        tuple(_trip(item, f"trips[{index}]") for index, item in enumerate(trips)),
     )
 
 
-def _fault(item: Any, where: str) -> FaultMarks:
-    if not isinstance(item, list) or len(item) != 5:
-        raise MemoryFormatError(f"{where} is not a list of 5")
-    provider, model, machine, signature, ages = item
+def _trip(item: Any, where: str) -> tuple[BreakerKey, TripReason]:
+    if not isinstance(item, list) or len(item) != 4:
+        raise MemoryFormatError(f"{where} is not a list of 4")
+    provider, model, machine, reason = item
+    key = _breaker_key(provider, model, machine, where)
+    try:
+        return key, TripReason(reason)
+    except ValueError:
+        raise MemoryFormatError(f"{where}: the reason is not one rolegate knows") from None
+
+
+def _breaker_key(provider: Any, model: Any, machine: Any, where: str) -> BreakerKey:
     key = BreakerKey(
         _name(provider, where),
         None if model is None else _name(model, where),
@@ -134,6 +151,14 @@ def _fault(item: Any, where: str) -> FaultMarks:
     )
     if key.model is None and key.machine is not None:
         raise MemoryFormatError(f"{where}: a machine without its model")
+    return key
+
+
+def _fault(item: Any, where: str) -> FaultMarks:
+    if not isinstance(item, list) or len(item) != 5:
+        raise MemoryFormatError(f"{where} is not a list of 5")
+    provider, model, machine, signature, ages = item
+    key = _breaker_key(provider, model, machine, where)
     if not isinstance(ages, list) or not 0 < len(ages) <= MAX_MARKS:
         raise MemoryFormatError(f"{where}: ages is not a list of 1 to {MAX_MARKS}")
     if not all(_number(age) and age >= 0 for age in ages):
