@@ -8,14 +8,14 @@ import pytest
 from rolegate_policy.model import BreakerSpec
 from rolegate_policy.status import TripReason
 from rolegate_proxy.core.beliefs import MachineKey
-from rolegate_proxy.core.breaker import Attempted
-from rolegate_proxy.core.exclusions import BreakerKey, Trigger
+from rolegate_proxy.core.breaker import Attempted, Breakers
+from rolegate_proxy.core.exclusions import BreakerKey, Transition, Trigger
 from rolegate_proxy.core.fleet import PodMemory, hear_fleet, remember, restore
 from rolegate_proxy.core.score import ObservationKind, Scoreboard
 from rolegate_proxy.wire.pod_memory import decode, encode
 
 from .test_beliefs import AGG, HOUR, MODEL, ledger, seen
-from .test_breaker import empty, make, open_breaker
+from .test_breaker import clean, empty, make, open_breaker
 
 SLOW = MachineKey(AGG, MODEL, "slow")
 SHEET = (("fast", 2.0, 50.0), ("slow", 2.0, 50.0))
@@ -148,3 +148,39 @@ def test_a_pod_s_own_trips_are_never_heard_back_and_a_wide_key_refuses_the_whole
         [said], "b", ledger(*SHEET), Scoreboard(), 3.0, 1000.0, breakers=other, trip_expiry=90
     )
     assert not other.admit("p", "m", "any", 3.0).allowed
+
+
+# Only the rate arm: 35 % empty, the measured incident's rate, never a count burst.
+RATE_ONLY = BreakerSpec(
+    jitter_fraction=0,
+    novel_signature_count=10_000,
+    familiar_signature_count=10_000,
+    rate_min_samples=20,
+    rate_window=40,
+    rate_threshold=0.25,
+)
+
+
+def serve(breakers: Breakers, calls: int, start: float) -> list[Transition]:
+    """`calls` answers of model m, about 35 % of them empty (every third, and the first)."""
+    found: list[Transition] = []
+    for i in range(calls):
+        outcome = empty() if i % 3 == 0 else clean()
+        found.extend(breakers.record(outcome, start + i * 0.01))
+    return found
+
+
+def test_a_fault_rate_spread_over_three_pods_trips_at_the_fleet_s_minimum_sample() -> None:
+    a, b, c, alone = (make(RATE_ONLY) for _ in range(4))
+    assert serve(a, 9, 0.0) == []  # nine calls each: under the minimum sample of 20
+    assert serve(b, 9, 0.0) == []
+    memories = [
+        remember(name, ledger(*SHEET), Scoreboard(), 1.0, 1000.0, breakers=pod)
+        for name, pod in (("a", a), ("b", b))
+    ]
+    said = [decode(encode(memory)) for memory in memories]
+    hear_fleet(said, "c", ledger(*SHEET), Scoreboard(), 1.0, 1000.0, breakers=c, trip_expiry=90)
+    (trip,) = serve(c, 3, 2.0)  # 18 heard: its own second answer is the fleet's 20th
+    assert trip.trigger is Trigger.RATE
+    assert "across the fleet" in trip.detail
+    assert serve(alone, 9, 2.0) == []  # the same nine alone never reach the sample

@@ -121,6 +121,16 @@ def one_row(row: str) -> bytes:
             b'"trips": [["p", "m", null]]}',
             "trips[0] is not a list of 4",
         ),
+        (
+            b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [], '
+            b'"rates": [["p", "m", null, "content", 3, 4]]}',
+            "the counts are not a window's",
+        ),
+        (
+            b'{"format": 1, "pod": "p", "writtenAt": 1, "machines": [], '
+            b'"rates": [["p", "m", null, "weather", 3, 1]]}',
+            "the family is not one rolegate knows",
+        ),
     ],
 )
 def test_what_is_not_a_memory_is_refused_whole_naming_what_is_wrong(

@@ -99,6 +99,17 @@ class PeerTrip:
     until: float
 
 
+@dataclass(frozen=True, slots=True)
+class RateCount:
+    """One key's rate window for one family of faults, as a pod shares it with the fleet:
+    the outcomes in it and the faults among them."""
+
+    key: BreakerKey
+    family: Family
+    count: int
+    faults: int
+
+
 class TransportFault(StrEnum):
     """An attempt that failed without a usable HTTP status."""
 
@@ -403,6 +414,8 @@ class Breakers:
         self._covering: set[tuple[str, str | None, str | None]] = set()
         # Keys the fleet's other pods hold open (see `hear_trips`).
         self._fleet: dict[BreakerKey, PeerTrip] = {}
+        # The fleet's other pods' rate windows, summed (see `hear_rates`).
+        self._peer_rates: dict[tuple[BreakerKey, Family], tuple[int, int]] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -469,12 +482,21 @@ class Breakers:
     ) -> Transition | None:
         reason = FAMILY_REASONS[sample.family]
         noun, faulty = _FAULTY[sample.family]
-        # The rate arm, on every sample: the rate is over the window, whatever this one was.
+        # The rate arm, on every sample: the rate is over the window, whatever this one was,
+        # and over the fleet's other pods' windows of the same key when they share them.
         count, faults = evidence.rate.count, evidence.rate.faults
+        where = ""
+        peers = self._peer_rates.get((entry.key, sample.family)) if self._peer_rates else None
+        if peers is not None:
+            count, faults, where = count + peers[0], faults + peers[1], " across the fleet"
+            if count > settings.rate_window:
+                # The last rate_window outcomes of the fleet, at the fleet's fault rate.
+                faults = round(faults * settings.rate_window / count)
+                count = settings.rate_window
         if count >= settings.rate_min_samples and faults > settings.rate_threshold * count:
             detail = (
-                f"{faults} of the last {count} {noun} {faulty} ({faults / count:.0%}), "
-                f"above {settings.rate_threshold:.0%}"
+                f"{faults} of the last {count} {noun} {faulty}{where} "
+                f"({faults / count:.0%}), above {settings.rate_threshold:.0%}"
             )
             return self._trip(entry, reason, Trigger.RATE, detail, now, settings)
         if sample.signature is None:
@@ -834,6 +856,25 @@ class Breakers:
             if held is None or trip.until > held.until:
                 fleet[trip.key] = trip
         self._fleet = fleet
+
+    def rate_counts(self) -> list[RateCount]:
+        """This pod's own rate windows with something in them (never what it heard)."""
+        return [
+            RateCount(key, family, evidence.rate.count, evidence.rate.faults)
+            for key, entry in self._entries.items()
+            for family, evidence in entry.evidence.items()
+            if evidence.rate.count > 0 and not entry.open
+        ]
+
+    def hear_rates(self, counts: Iterable[RateCount]) -> None:
+        """Replace the fleet's other pods' rate windows, summed per key and family: the
+        rate arm counts them with this pod's own, so a fault rate spread thinly over N
+        pods trips at the fleet's minimum sample, not at N times it."""
+        summed: dict[tuple[BreakerKey, Family], tuple[int, int]] = {}
+        for item in counts:
+            calls, faults = summed.get((item.key, item.family), (0, 0))
+            summed[(item.key, item.family)] = (calls + item.count, faults + item.faults)
+        self._peer_rates = summed
 
     def own_trips(self, now: float) -> list[tuple[BreakerKey, TripReason]]:
         """This pod's open and half-open breakers (not what it heard), for the fleet."""

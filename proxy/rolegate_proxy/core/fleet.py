@@ -19,7 +19,7 @@ from typing import Final
 from rolegate_policy.status import TripReason
 
 from .beliefs import Ledger, MachineEvidence, MachineKey
-from .breaker import Breakers, FaultMarks, PeerTrip
+from .breaker import Breakers, FaultMarks, PeerTrip, RateCount
 from .exclusions import BreakerKey
 from .score import Scoreboard, ScoreEvidence
 
@@ -42,6 +42,8 @@ class PodMemory:
     faults: tuple[FaultMarks, ...] = ()
     # The breakers this pod holds open (or half-open) now: the fleet keeps them out too.
     trips: tuple[tuple[BreakerKey, TripReason], ...] = ()
+    # Its breakers' rate windows: the fleet's rate arms count them.
+    rates: tuple[RateCount, ...] = ()
 
 
 def remember(
@@ -56,8 +58,9 @@ def remember(
     """The pod's own memory now (`now` on the ledger's clock, `wall_now` the epoch's)."""
     faults = () if breakers is None else tuple(breakers.fault_marks(now))
     trips = () if breakers is None else tuple(breakers.own_trips(now))
+    rates = () if breakers is None else tuple(breakers.rate_counts())
     return PodMemory(
-        pod, wall_now, tuple(ledger.evidence(now)), tuple(scores.evidence()), faults, trips
+        pod, wall_now, tuple(ledger.evidence(now)), tuple(scores.evidence()), faults, trips, rates
     )
 
 
@@ -101,7 +104,8 @@ def hear_fleet(
 
     With `breakers`, a breaker a peer holds open keeps its key out here too, for as long
     as that peer's memory is younger than `trip_expiry` seconds (a pod that stops writing
-    stops excluding); the peer's next memory without it lifts it."""
+    stops excluding); the peer's next memory without it lifts it. The fresh memories' rate
+    windows count in this pod's rate arms."""
     half_life = ledger.settings.half_life_seconds
     peers = [
         (memory, 0.5 ** (max(0.0, wall_now - memory.written_at) / half_life))
@@ -114,9 +118,14 @@ def hear_fleet(
         now,
     )
     if breakers is not None:
-        breakers.hear_trips(
-            PeerTrip(key, reason, memory.pod, now + trip_expiry - age)
+        fresh = [
+            (memory, age)
             for memory, _ in peers
             if (age := max(0.0, wall_now - memory.written_at)) < trip_expiry
+        ]
+        breakers.hear_trips(
+            PeerTrip(key, reason, memory.pod, now + trip_expiry - age)
+            for memory, age in fresh
             for key, reason in memory.trips
         )
+        breakers.hear_rates(count for memory, _ in fresh for count in memory.rates)

@@ -6,7 +6,8 @@ bounded, and read as untrusted input.
                    [8.1, -3.2, 1.9], [8.0, -24.6, 76.1], [42, 0.97619, 25.3]], ...],
      "faults": [["openrouter", "qwen/qwen3-coder", null, "empty_response",
                  [80412.5, 3601.2, 12.0]], ...],
-     "trips": [["openrouter", "qwen/qwen3-coder", "deepinfra", "EmptyResponses"], ...]}
+     "trips": [["openrouter", "qwen/qwen3-coder", "deepinfra", "EmptyResponses"], ...],
+     "rates": [["openrouter", "qwen/qwen3-coder", null, "content", 40, 14], ...]}
 
 Each machine is `[provider, model, machine, sightings, ttft, gap, score]`: `ttft` and
 `gap` are `[n, sum of logs, sum of squared logs]` (the ledger's evidence), `score` is
@@ -16,7 +17,8 @@ typical names: 1,000 machines are ~130 KB, well inside etcd's 1.5 MiB object lim
 file written in a millisecond. Each fault row is `[provider, model, machine, signature,
 ages]`: a breaker key (model and machine null for a wider key), a fault signature, and
 when it was seen, in seconds before `writtenAt` (the novelty baseline). Each trip row is
-`[provider, model, machine, reason]`: a breaker the pod holds open now.
+`[provider, model, machine, reason]`: a breaker the pod holds open now. Each rate row is
+`[provider, model, machine, family, outcomes, faults]`: a breaker key's rate window.
 
 A memory that does not parse, names a newer format, or breaks a bound is refused whole
 (`MemoryFormatError`): a pod starts cold rather than from a half-read memory.
@@ -29,10 +31,11 @@ from typing import Any, Final, TypeGuard
 
 import orjson
 
+from rolegate_policy.signatures import Family
 from rolegate_policy.status import TripReason
 
 from ..core.beliefs import Evidence, MachineEvidence, MachineKey
-from ..core.breaker import FaultMarks
+from ..core.breaker import FaultMarks, RateCount
 from ..core.exclusions import BreakerKey
 from ..core.fleet import PodMemory
 from ..core.score import ScoreEvidence
@@ -44,6 +47,8 @@ MAX_NAME_CHARS: Final = 253
 # Fault rows a memory may hold, and marks a row may hold.
 MAX_FAULTS: Final = 4096
 MAX_MARKS: Final = 64
+# No rate window is longer (BreakerSpec.rate_window's bound is far below).
+MAX_WINDOW: Final = 100_000
 # No pseudo-count is larger than the ledger's cap; this bound only refuses nonsense.
 MAX_COUNT: Final = 1e9
 
@@ -72,6 +77,10 @@ def encode(memory: PodMemory) -> bytes:
                 for fault in memory.faults[:MAX_FAULTS]
             ],
             "trips": [[*key, reason.value] for key, reason in memory.trips[:MAX_FAULTS]],
+            "rates": [
+                [*rate.key, rate.family.value, rate.count, rate.faults]
+                for rate in memory.rates[:MAX_FAULTS]
+            ],
         }
     )
 
@@ -122,6 +131,9 @@ def decode(data: bytes) -> PodMemory:
     trips = document.get("trips", [])
     if not isinstance(trips, list) or len(trips) > MAX_FAULTS:
         raise MemoryFormatError(f"trips is not a list of at most {MAX_FAULTS}")
+    rates = document.get("rates", [])
+    if not isinstance(rates, list) or len(rates) > MAX_FAULTS:
+        raise MemoryFormatError(f"rates is not a list of at most {MAX_FAULTS}")
     return PodMemory(
         _name(document.get("pod"), "pod"),
         float(written_at),
@@ -129,7 +141,22 @@ def decode(data: bytes) -> PodMemory:
         tuple(scores),
         tuple(_fault(item, f"faults[{index}]") for index, item in enumerate(faults)),
         tuple(_trip(item, f"trips[{index}]") for index, item in enumerate(trips)),
+        tuple(_rate(item, f"rates[{index}]") for index, item in enumerate(rates)),
     )
+
+
+def _rate(item: Any, where: str) -> RateCount:
+    if not isinstance(item, list) or len(item) != 6:
+        raise MemoryFormatError(f"{where} is not a list of 6")
+    provider, model, machine, family, count, faults = item
+    key = _breaker_key(provider, model, machine, where)
+    try:
+        known = Family(family)
+    except ValueError:
+        raise MemoryFormatError(f"{where}: the family is not one rolegate knows") from None
+    if not (_count(count) and _count(faults) and faults <= count <= MAX_WINDOW):
+        raise MemoryFormatError(f"{where}: the counts are not a window's")
+    return RateCount(key, known, count, faults)
 
 
 def _trip(item: Any, where: str) -> tuple[BreakerKey, TripReason]:
