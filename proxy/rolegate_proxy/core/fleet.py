@@ -60,7 +60,7 @@ def remember(
     trips = () if breakers is None else tuple(breakers.own_trips(now))
     rates = () if breakers is None else tuple(breakers.rate_counts())
     return PodMemory(
-        pod, wall_now, tuple(ledger.evidence(now)), tuple(scores.evidence()), faults, trips, rates
+        pod, wall_now, tuple(ledger.evidence(now)), tuple(scores.records()), faults, trips, rates
     )
 
 

@@ -387,7 +387,7 @@ class Scoreboard:
 
     # -- memory across restarts ------------------------------------------------------------
 
-    def evidence(self) -> list[tuple[MachineKey, ScoreEvidence]]:
+    def records(self) -> list[tuple[MachineKey, ScoreEvidence]]:
         """Every machine's operational record, most recently observed first."""
         found = []
         for key, record in reversed(self._records.items()):
