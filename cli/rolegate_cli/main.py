@@ -200,7 +200,8 @@ def _parser() -> argparse.ArgumentParser:
         default=0.02,
         metavar="P",
         help="share of routing decisions in which a machine other than the best leads, so "
-        "a demoted machine stays observed and can win its traffic back (default: 0.02)",
+        "an untried or demoted machine stays observed and can win its traffic back, for a "
+        "role without an explorationShare of its own (default: 0.02)",
     )
     proxy.add_argument(
         "--metrics-max-machines",

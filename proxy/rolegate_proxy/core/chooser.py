@@ -23,6 +23,11 @@ ProviderPolicy names or the ledger knows about, each with its fate and the reaso
   An untried machine scores the target: beside one machine with a record it ties with it
   on quality, and its published figures (cost, then expected time) decide whether it is
   tried first; among several it sits at the field's mean.
+* **Exploration (C4, G3).** In a share of the role's decisions (its `explorationShare`,
+  else the proxy's `explore`) a machine other than the best leads: the one with the least
+  evidence (lowest confidence), then the longest unobserved, then the best ranked. So an
+  untried machine is observed first and a demoted one is looked at again in turn, which
+  a uniform draw would do only by chance.
 * **Affinity (B3).** The machine that last answered for the role leads its candidate's
   order unless it is refused now, and a refused machine loses the pin. So does one that
   fell out of the top quality tier: the score lowers preference, the pin must not
@@ -353,8 +358,9 @@ class Chooser:
         if not 0.0 <= explore < 1.0:
             raise ValueError(f"the exploration share must be in [0, 1), got {explore}")
         self.ledger = ledger
-        # The share of decisions in which a machine other than the best leads (see
-        # `_exploring`); 0 in the pure tests, ProxySettings.explore_share in the proxy.
+        # The share of decisions in which a machine other than the best leads, for a role
+        # that declares no `explorationShare` of its own (see `_exploring`); 0 in the pure
+        # tests, ProxySettings.explore_share in the proxy.
         self.explore = explore
         self.scores = scores if scores is not None else Scoreboard()
         # Uniform on [0, 1): the dither of the quality tiers. Tests pass a seeded one.
@@ -472,8 +478,8 @@ class Chooser:
             key=lambda f: (_REFUSAL_ORDER[f.fate], by_expected_time(f), f.machine),
         )
         pinned = self._apply_pin(role.name, provider, model, admitted, refused)
-        if self._exploring(len(admitted)):
-            index = self._other(len(admitted))
+        if self._exploring(role, len(admitted)):
+            index = self._least_observed(admitted)
             explored = admitted.pop(index)
             explored.explored = True
             admitted.insert(0, explored)
@@ -626,21 +632,34 @@ class Chooser:
             # The heads are ranked against each other: shrunk towards their own field.
             self._score(role, entries, None, prompt_tokens)
             heads = [place.entry for place in rank(entries, role.quality_tolerance, self.draw)]
-            if self._exploring(len(heads)):
-                heads.insert(0, heads.pop(self._other(len(heads))))
+            if self._exploring(role, len(heads)):
+                heads.insert(0, heads.pop(self._least_observed(heads)))
             ordered.extend(by_key[head.key] for head in heads)
             ordered.extend(closed)
         return ordered
 
-    def _exploring(self, count: int) -> bool:
-        """Whether this decision explores: with probability `explore`, when there is more
-        than one to choose from (SPEC C4: the score may lower a machine's preference, never
-        shut it out; without some traffic a demoted machine's score could never recover)."""
-        return count > 1 and self.explore > 0 and self.draw() < self.explore
+    def _exploring(self, role: CompiledRole, count: int) -> bool:
+        """Whether this decision explores: with probability the role's exploration share
+        (its `explorationShare`, else `explore`), when there is more than one to choose
+        from (SPEC C4, G3: the score may lower a machine's preference, never shut it out;
+        without some traffic a demoted or untried machine's score could never move)."""
+        share = self.explore if role.exploration_share is None else role.exploration_share
+        return count > 1 and share > 0 and self.draw() < share
 
-    def _other(self, count: int) -> int:
-        """A uniformly drawn position other than the first, of `count` > 1."""
-        return 1 + min(count - 2, int(self.draw() * (count - 1)))
+    def _least_observed(self, ranked: Sequence[MachineFate]) -> int:
+        """The position, other than the first, of the machine to explore: the least
+        evidence (lowest confidence: an untried machine first), then the longest since it
+        was last observed (full-confidence machines take their turns), then the best
+        ranked. Called only for a decision that explores, on scored machines."""
+        last_observed = self.scores.last_observed
+
+        def evidence(index: int) -> tuple[float, float, int]:
+            fate = ranked[index]
+            confidence = 0.0 if fate.view is None else fate.view.confidence
+            seen = last_observed(fate.key)
+            return (confidence, -math.inf if seen is None else seen, index)
+
+        return min(range(1, len(ranked)), key=evidence)
 
     def _apply_pin(
         self,
