@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
         default=50,
         metavar="N",
         help="observations after which a machine's operational score is fully its own; "
-        "fewer shrink it toward neutral (default: 50)",
+        "fewer shrink it toward the mean of the machines it is ranked with (default: 50)",
     )
     proxy.add_argument(
         "--score-half-life",
