@@ -126,7 +126,7 @@ def _parser() -> argparse.ArgumentParser:
         default=50,
         metavar="N",
         help="observations after which a machine's operational score is fully its own; "
-        "fewer shrink it toward neutral (default: 50)",
+        "fewer shrink it toward the mean of the machines it is ranked with (default: 50)",
     )
     proxy.add_argument(
         "--score-half-life",
@@ -215,7 +215,8 @@ def _parser() -> argparse.ArgumentParser:
         default=0.02,
         metavar="P",
         help="share of routing decisions in which a machine other than the best leads, so "
-        "a demoted machine stays observed and can win its traffic back (default: 0.02)",
+        "an untried or demoted machine stays observed and can win its traffic back, for a "
+        "role without an explorationShare of its own (default: 0.02)",
     )
     proxy.add_argument(
         "--metrics-max-machines",

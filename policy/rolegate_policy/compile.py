@@ -445,6 +445,7 @@ class _RoleStage:
                     ruling_reason=ruling.reason,
                     expected_output_tokens=role.expected_output_tokens,
                     quality_tolerance=role.quality_tolerance,
+                    exploration_share=role.exploration_share,
                     delivery=ruling.delivery,
                     retry=role.retry,
                     caller_may_bypass=tuple(f for f in BypassField if f in role.caller_may_bypass),

@@ -81,6 +81,8 @@ class CompiledRole(Frozen):
     expected_output_tokens: int
     # Operational scores this close count as equal quality; cost breaks the tie (SPEC C5).
     quality_tolerance: float = 0.05
+    # The share of decisions that explore (SPEC G3); None: the proxy's --explore-share.
+    exploration_share: float | None = None
     # `Auto` resolved to `Live` or `Buffered` (SPEC E5).
     delivery: Delivery = Delivery.LIVE
     # The spec model itself: its defaults are the defaults, stated once.

@@ -290,6 +290,18 @@ class RoleSpec(SpecModel):
             "strictly by score."
         ),
     )
+    exploration_share: float | None = Field(
+        default=None,
+        ge=0,
+        le=0.5,
+        description=(
+            "Share of this role's routing decisions in which a machine other than the "
+            "best leads, so an untried or demoted machine keeps being observed and can win "
+            "its traffic back: the machine with the least evidence first, then the one "
+            "unobserved longest. Omit for the proxy's default (`--explore-share`, 0.02); "
+            "0 turns exploration off for the role."
+        ),
+    )
 
     caller_may_bypass: list[BypassField] = Field(
         default_factory=list,

@@ -116,6 +116,8 @@ def test_schema_defaults_are_applied_and_agree_with_the_model(
     (role,) = stored_table["roles"]
     assert role["ruling"] == "Auto"
     assert role["expectedOutputTokens"] == 512
+    # No default: absent leaves the share to the proxy's --explore-share.
+    assert "explorationShare" not in role
     stored_provider = get_json(crds, namespace, "providerpolicy", "vllm")["spec"]
     assert stored_provider["dialect"] == "OpenAI"
     # The cap's default follows cooldownSeconds: the schema has none, compile derives it.
@@ -227,6 +229,8 @@ INVALID = [
             "spec.roles[0].patienceSeconds", "must be of type number"),
     Invalid("tokens-not-whole", _role_table(expectedOutputTokens=12.5),
             "spec.roles[0].expectedOutputTokens", "must be of type integer"),
+    Invalid("exploration-share-too-large", _role_table(explorationShare=0.6),
+            "spec.roles[0].explorationShare", "should be less than or equal to 0.5"),
     Invalid("role-name-pattern", _role_table(name="Agent"),
             "spec.roles[0].name", "should match"),
     Invalid("role-without-models", _edit(_role_table(), _without_models),

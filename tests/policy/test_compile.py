@@ -202,6 +202,19 @@ def test_patience_warning_only_when_every_machine_publishes_figures() -> None:
     assert verdict(compile_objects(slow, table), "t").warnings == ()
 
 
+def test_a_roles_exploration_share_is_compiled_and_absent_stays_absent() -> None:
+    """Absent is not 0: it leaves the share to the proxy's --explore-share."""
+    table = role_table(
+        "t", role("own", models=["m"], explorationShare=0.1), role("default", models=["m"])
+    )
+    config = compile_objects(provider(models={"m": ["a"]}), table).config
+    own, default = config.role("own"), config.role("default")
+    assert own is not None
+    assert default is not None
+    assert own.exploration_share == 0.1
+    assert default.exploration_share is None
+
+
 # Names are global ----------------------------------------------------------------------
 
 

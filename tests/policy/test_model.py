@@ -57,6 +57,8 @@ def test_role_defaults() -> None:
     assert only.ruling is Ruling.AUTO
     assert only.expected_output_tokens == 512
     assert only.visibility is Visibility.WATCHED
+    # No exploration share of its own: the proxy's --explore-share applies.
+    assert only.exploration_share is None
 
 
 @pytest.mark.parametrize(
@@ -71,6 +73,9 @@ def test_role_defaults() -> None:
         ("expectedOutputTokens", 0, "must be at least 1"),
         ("expectedOutputTokens", 1_000_001, "must be at most 1000000"),
         ("expectedOutputTokens", 12.5, "must be an integer"),
+        ("explorationShare", -0.01, "must be at least 0"),
+        ("explorationShare", 0.51, "must be at most 0.5"),
+        ("explorationShare", "0.1", "must be a number"),
         ("models", [], "must have at least 1 item"),
         ("models", [f"m{i}" for i in range(17)], "must have at most 16 items (has 17)"),
         ("models", "qwen/qwen3-coder", "must be a list"),

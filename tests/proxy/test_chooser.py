@@ -4,7 +4,9 @@ Includes seed 003's case 3 (a refusal that names a machine only an answer told u
 
 from __future__ import annotations
 
+import math
 import random
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -36,8 +38,9 @@ from rolegate_proxy.core.chooser import (
 from rolegate_proxy.core.exclusions import (
     Exclusion,
 )
+from rolegate_proxy.core.ranking import Entry, rank
 from rolegate_proxy.core.routing import Candidate, plan_candidates
-from rolegate_proxy.core.score import ObservationKind, ScoreScale
+from rolegate_proxy.core.score import ObservationKind, ScoreScale, field_target
 from rolegate_proxy.wire.aggregator import provider_field
 
 AGG, DIRECT = "openrouter", "localvllm"
@@ -79,6 +82,7 @@ def role(
     tokens: int = 600,
     visibility: Visibility = Visibility.WATCHED,
     ruling: Ruling = Ruling.ORDER,
+    explore: float | None = None,
 ) -> CompiledRole:
     return CompiledRole(
         name=name,
@@ -90,6 +94,7 @@ def role(
         effective_ruling=ruling,
         ruling_reason="test",
         expected_output_tokens=tokens,
+        exploration_share=explore,
     )
 
 
@@ -500,15 +505,17 @@ def test_providers_of_the_same_model_are_ranked_by_quality_within_the_roles_orde
     candidates = plan_candidates(agent, config)
     names = [(c.provider.name, c.model.name) for c in candidates]
     assert names == [(DIRECT, CODER), ("backup", CODER), ("backup", NEMO)]
-    # Three timeouts in four: far enough below the other's neutral (many tolerances) that
-    # the ranking's dither, which moves a machine by at most one tier, cannot reorder them.
-    # (Half timeouts sit at the neutral itself: a coin flip the ranking is right to make.)
+    # Three timeouts in four against a clean record: many tolerances apart, so the ranking's
+    # dither, which moves a machine by at most one tier, cannot reorder them. (Against an
+    # untried provider the failing one would tie: a cold machine scores its field's mean,
+    # and with one machine in the field that is the failing one's own.)
     for i in range(60):
         chooser.scores.observe(
             MachineKey(DIRECT, CODER, DIRECT),
             ObservationKind.OK if i % 4 == 3 else ObservationKind.TIMEOUT,
             float(i),
         )
+        chooser.scores.observe(MachineKey("backup", CODER, "backup"), ObservationKind.OK, float(i))
     ordered = chooser.order_candidates(agent, candidates, nothing_excluded, 0.0)
     # The failing provider goes after the other for the same model; the model order stays.
     assert [(c.provider.name, c.model.name) for c in ordered] == [
@@ -585,3 +592,252 @@ def test_exploration_lets_a_demoted_machine_lead_a_share_of_decisions() -> None:
 def test_the_exploration_share_is_checked() -> None:
     with pytest.raises(ValueError, match=r"exploration share must be in \[0, 1\)"):
         Chooser(Ledger(), explore=1.0)
+
+
+# --- cold start (SPEC C2, G3) -----------------------------------------------------------------
+# A ranking shrinks what it ranks towards its own field's target (score.field_target), not
+# towards the scale's midpoint: the three properties of the shrinkage, decided where the
+# traffic is decided.
+
+TOLERANCE = 0.05  # the role's default qualityTolerance
+
+
+def _spread(rate: float, n: int) -> list[bool]:
+    """`n` outcomes at `rate`, the failures spread as evenly as they can be."""
+    return [math.floor((i + 1) * rate) > math.floor(i * rate) for i in range(n)]
+
+
+def _record(chooser: Chooser, key: MachineKey, outcomes: list[bool], *, start: float = 0.0) -> None:
+    for i, ok in enumerate(outcomes):
+        kind = ObservationKind.OK if ok else ObservationKind.SERVER_ERROR
+        chooser.scores.observe(key, kind, start + i)
+
+
+def _coder(machine: str) -> MachineKey:
+    return MachineKey(AGG, CODER, machine)
+
+
+def _leads(chooser: Chooser, config: ProxyConfig, r: CompiledRole, decisions: int) -> Counter[str]:
+    cand = candidate(config, AGG, CODER)
+    return Counter(
+        chooser.choose(r, cand, nothing_excluded, 0.0).admitted[0] for _ in range(decisions)
+    )
+
+
+def test_seen_with_llama_cpp_an_untried_provider_believed_faster_is_tried() -> None:
+    """The issue's measurement: the incumbent has answered 24 times out of 24 and is believed
+    at 7.9 s for the role's 200 tokens; the untried provider is published at 5.6 s. It got
+    0 % of 24 requests while cold machines were shrunk towards 0.5 (the incumbent scored
+    0.74, a cold one 0.5: five tolerances behind). Shrunk towards the field's target, the
+    two tie on quality and the expected time decides: the untried one leads all 24 (exact:
+    an exact tie is tier 0 whatever the dither)."""
+    incumbent = provider("incumbent", {CODER: (("incumbent", 0.9, 200 / 7),)},
+                         dialect=Dialect.OPENAI)  # fmt: skip
+    untried = provider("untried", {CODER: (("untried", 0.6, 40.0),)}, dialect=Dialect.OPENAI)
+    config, ledger, chooser = setup(incumbent, untried)
+    agent = role(tokens=200)
+    for name, seconds in (("incumbent", 7.9), ("untried", 5.6)):
+        belief = ledger.belief(name, CODER, name, 0.0)
+        assert belief is not None
+        assert belief.expected_seconds(200) == pytest.approx(seconds)
+    _record(chooser, MachineKey("incumbent", CODER, "incumbent"), [True] * 24)
+    candidates = plan_candidates(agent, config)
+    firsts = [
+        chooser.order_candidates(agent, candidates, nothing_excluded, 30.0)[0].provider.name
+        for _ in range(24)
+    ]
+    assert firsts == ["untried"] * 24
+
+
+def test_a_cold_machine_is_neither_punished_nor_overtakes_a_thousand_honest_calls() -> None:
+    """Exact, over 500 seeded decisions each. Beside a veteran with 1,000 calls at 97 %, a
+    cold machine scores exactly what the veteran scores (the target is the veteran's own
+    mean): not behind it, so when its published figures are better it is tried first, every
+    time (not punished for having no history); not ahead of it, so when they are worse the
+    veteran leads every time (it cannot overtake the record on quality)."""
+    for cold_is_faster in (True, False):
+        cold_figures = (0.2, 200.0) if cold_is_faster else (2.0, 30.0)
+        machines: Machines = (("veteran", 1.0, 60.0), ("cold", *cold_figures))
+        config, _, chooser = setup(provider(AGG, {CODER: machines}))
+        _record(chooser, _coder("veteran"), _spread(0.97, 1000))
+        choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+        veteran, cold = choice.fate("veteran"), choice.fate("cold")
+        assert veteran is not None
+        assert cold is not None
+        assert veteran.view is not None
+        assert choice.target == veteran.view.observed == veteran.score == cold.score
+        leads = _leads(chooser, config, role(), 500)
+        assert leads == Counter({"cold" if cold_is_faster else "veteran": 500})
+
+
+def test_a_cold_machine_joins_a_mixed_field_in_its_middle() -> None:
+    """Over 300 seeded decisions: beside machines at 0.99 and 0.80 (full confidence), a cold
+    machine published fastest is ranked between them every time: below the better one
+    (several tolerances away, at the field's mean), above the poorer one."""
+    machines: Machines = (("good", 1.0, 60.0), ("poor", 1.0, 60.0), ("cold", 0.1, 300.0))
+    config, _, chooser = setup(provider(AGG, {CODER: machines}))
+    _record(chooser, _coder("good"), _spread(0.99, 200))
+    _record(chooser, _coder("poor"), _spread(0.8, 200))
+    cand = candidate(config, AGG, CODER)
+    orders = {chooser.choose(role(), cand, nothing_excluded, 0.0).admitted for _ in range(300)}
+    assert orders == {("good", "cold", "poor")}
+
+
+def test_seven_straight_successes_do_not_lead_a_thousand_honest_calls() -> None:
+    """A newcomer with 7 straight successes beside a veteran with 1,000 calls at 97 %, the
+    veteran's published figures the better. Shrunk towards the field, the newcomer's edge is
+    under a fifth of the tolerance: it never takes a quality tier of its own, so the
+    published figures decide as they would for a cold machine, and it leads only the dither's
+    share of decisions (about edge / tolerance: at most 20 % of 2,000 seeded decisions; 11 %
+    in fact). Unshrunk (its raw 1.0 against the veteran's smoothed 0.979) it would lead
+    more than twice as many, and over 30 %.
+
+    (It does edge ahead on the score itself, by 2c(1 - v)/(1 + c) with c = 7/50: any target
+    at the veteran's level does, since the newcomer's evidence is all above it. Keeping it
+    strictly behind would need a target below the field, which is what starved untried
+    machines; the tolerance is the role's own statement of what counts as equal quality.)"""
+    machines: Machines = (("veteran", 0.5, 120.0), ("newcomer", 1.0, 60.0))
+    config, _, chooser = setup(provider(AGG, {CODER: machines}))
+    _record(chooser, _coder("veteran"), _spread(0.97, 1000))
+    _record(chooser, _coder("newcomer"), [True] * 7, start=1000.0)
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    veteran, newcomer = choice.fate("veteran"), choice.fate("newcomer")
+    assert veteran is not None
+    assert newcomer is not None
+    assert veteran.view is not None
+    assert newcomer.score - veteran.score < TOLERANCE / 5
+    led = _leads(chooser, config, role(), 2000)["newcomer"] / 2000
+    assert led <= 0.2
+
+    draw = random.Random(0).random
+    record = veteran.view.observed
+    assert record is not None
+    raw = [
+        Entry(_coder("veteran"), record, None, None, veteran.expected_seconds),
+        Entry(_coder("newcomer"), 1.0, None, None, newcomer.expected_seconds),
+    ]
+    unshrunk = sum(rank(raw, TOLERANCE, draw)[0].entry.key.machine == "newcomer"
+                   for _ in range(2000))  # fmt: skip
+    assert unshrunk / 2000 > max(0.3, 2 * led)
+
+
+def test_a_few_dozen_observations_find_a_better_newcomer_and_a_worse_one() -> None:
+    """Beside a veteran at 90 % (1,000 calls, published faster): a newcomer that never fails
+    takes a quality tier of its own (more than the tolerance ahead: it leads every decision
+    on quality alone) after 10 to 25 straight successes (17 with the veteran at exactly
+    0.9), never after 7. A newcomer that fails every other call is more than a tolerance
+    behind within 5 observations, and after 60 (full confidence) it scores its observed
+    mean, within 0.02 of 0.5, whatever the field."""
+    machines: Machines = (("veteran", 0.5, 120.0), ("newcomer", 1.0, 60.0))
+    config, _, chooser = setup(provider(AGG, {CODER: machines}))
+    _record(chooser, _coder("veteran"), _spread(0.9, 1000))
+    cand = candidate(config, AGG, CODER)
+
+    def gap(choice: Choice) -> float:
+        veteran, newcomer = choice.fate("veteran"), choice.fate("newcomer")
+        assert veteran is not None
+        assert newcomer is not None
+        return newcomer.score - veteran.score
+
+    ahead = None
+    for n in range(1, 51):
+        _record(chooser, _coder("newcomer"), [True], start=1000.0 + n)
+        if gap(chooser.choose(role(), cand, nothing_excluded, 0.0)) > TOLERANCE:
+            ahead = n
+            break
+    assert ahead is not None
+    assert 10 <= ahead <= 25
+    assert _leads(chooser, config, role(), 300) == Counter({"newcomer": 300})
+
+    config, _, chooser = setup(provider(AGG, {CODER: machines}))
+    _record(chooser, _coder("veteran"), _spread(0.97, 1000))
+    behind = None
+    for n in range(1, 61):
+        _record(chooser, _coder("newcomer"), [n % 2 == 0], start=1000.0 + n)
+        choice = chooser.choose(role(), cand, nothing_excluded, 0.0)
+        if behind is None and gap(choice) < -TOLERANCE:
+            behind = n
+    assert behind is not None
+    assert behind <= 5
+    newcomer = choice.fate("newcomer")
+    assert newcomer is not None
+    assert newcomer.view is not None
+    assert newcomer.score == newcomer.view.observed
+    assert abs(newcomer.score - 0.5) <= 0.02
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    records=st.lists(st.lists(st.booleans(), min_size=0, max_size=70), min_size=2, max_size=6),
+)
+def test_the_rankings_scores_are_the_fields_target_and_the_views_shrunk_towards_it(
+    records: list[list[bool]],
+) -> None:
+    """Exact equality: the chooser writes the target and the shrinkage out inline (it runs
+    for every admitted machine of every decision); they are `field_target` and
+    `ScoreView.toward`, number for number."""
+    machines: Machines = tuple((f"m{i}", 0.5, 100.0) for i in range(len(records)))
+    config, _, chooser = setup(provider(AGG, {CODER: machines}))
+    for i, outcomes in enumerate(records):
+        _record(chooser, _coder(f"m{i}"), outcomes)
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    views = [chooser.scores.operational(_coder(f"m{i}")) for i in range(len(records))]
+    target = field_target(views)
+    assert choice.target == target
+    for i, view in enumerate(views):
+        fate = choice.fate(f"m{i}")
+        assert fate is not None
+        assert fate.score == view.toward(target)
+
+
+# --- exploration (SPEC C4, G3) ----------------------------------------------------------------
+
+
+def test_exploration_observes_the_least_evidence_first_then_the_longest_unobserved() -> None:
+    """Exact, over 1,000 seeded decisions with an exploration share of 0.2. A best machine,
+    a demoted one (half failures) and an untried one published slowest: every explored
+    lead is the untried one. Once both others have full records, the explored lead is the
+    one observed longest ago; observe it, and the turn passes to the other."""
+    machines: Machines = (("best", 0.5, 120.0), ("demoted", 0.5, 120.0), ("untried", 3.0, 30.0))
+    config, _, chooser = setup(provider(AGG, {CODER: machines}))
+    _record(chooser, _coder("best"), [True] * 60)
+    _record(chooser, _coder("demoted"), [True, False] * 30)
+    explorer = role(explore=0.2)
+    cand = candidate(config, AGG, CODER)
+
+    def explored(decisions: int) -> Counter[str]:
+        found: Counter[str] = Counter()
+        for _ in range(decisions):
+            head = chooser.choose(explorer, cand, nothing_excluded, 0.0).fates[0]
+            if head.explored:
+                found[head.machine] += 1
+        return found
+
+    first = explored(1000)
+    assert set(first) == {"untried"}
+    assert abs(first["untried"] / 1000 - 0.2) <= 0.04
+
+    _record(chooser, _coder("untried"), [True, False] * 30, start=100.0)  # demoted too, newer
+    assert set(explored(200)) == {"demoted"}  # last observed at 59, the untried at 159
+    _record(chooser, _coder("demoted"), [False], start=200.0)
+    assert set(explored(200)) == {"untried"}
+
+
+def test_a_roles_exploration_share_overrides_the_proxys() -> None:
+    """Over 2,000 seeded decisions each: a role's explorationShare of 0.2 explores about a
+    fifth of them (±0.03) under a proxy default of 0; a role's 0 explores none under a
+    proxy default of 0.5; a role without one follows the proxy's."""
+    machines: Machines = (("best", 0.5, 120.0), ("behind", 0.5, 120.0))
+    config = ProxyConfig(providers=(provider(AGG, {CODER: machines}),))
+    shares = {}
+    for proxy_share, role_share in ((0.0, 0.2), (0.5, 0.0), (0.3, None)):
+        ledger = Ledger()
+        ledger.load_sheet(config)
+        chooser = Chooser(ledger, draw=random.Random(5).random, explore=proxy_share)
+        _record(chooser, _coder("best"), [True] * 60)
+        _record(chooser, _coder("behind"), [False] * 60)
+        leads = _leads(chooser, config, role(explore=role_share), 2000)
+        shares[(proxy_share, role_share)] = leads["behind"] / 2000
+    assert abs(shares[(0.0, 0.2)] - 0.2) <= 0.03
+    assert shares[(0.5, 0.0)] == 0.0
+    assert abs(shares[(0.3, None)] - 0.3) <= 0.03

@@ -345,10 +345,11 @@ async def test_closed_loop_a_failing_machine_loses_traffic_gradually_and_another
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
     """Outcome, score, next decision, with no export involved: the cheap provider's
-    operational score drifts down while the dear one's evidence accumulates (from the
-    retries), and the cheap one's share of first attempts fades over many windows — the
-    dithered quality tiers of a 0.3 tolerance — instead of flipping at one request, down to
-    a share that reflects how far behind it is, never to nothing."""
+    operational score drifts down as its failures accumulate, the dear one's few answers
+    (from the retries) count at once (both are shrunk towards their field's mean, not
+    towards 0.5), and the cheap one's share of first attempts fades over several windows —
+    the dithered quality tiers of a 0.3 tolerance — instead of flipping at one request, down
+    to a share that reflects how far behind it is, never to nothing."""
     firsts, proxy_url, dear_url = await _failing_cheap_run(
         sim_server, proxy_server, tolerance=0.3, explore=0.02
     )
@@ -356,8 +357,10 @@ async def test_closed_loop_a_failing_machine_loses_traffic_gradually_and_another
     print(f"\ncheap provider's share of first attempts per 20 requests: {windows}")
     early, middle, late = windows[:5], windows[5:10], windows[10:]
     mean = statistics.fmean
-    # While the evidence is thin it leads (quality ties inside the tolerance: the cheaper).
-    assert mean(early) >= 0.9
+    # While little is known it leads most first attempts (quality ties inside the
+    # tolerance: the cheaper leads; about nine in ten while the dear one's few answers are
+    # all it has to show).
+    assert windows[0] >= 0.75
     # Then it fades over several windows, not at one request ...
     assert sum(1 for share in windows if 0.1 < share < 0.9) >= 3
     assert mean(early) > mean(middle) > mean(late)

@@ -21,6 +21,7 @@ from rolegate_proxy.core.score import (
     ScoreScale,
     ScoreSettings,
     ScoreView,
+    field_target,
     observation_value,
 )
 
@@ -72,13 +73,91 @@ def test_a_cold_machine_scores_exactly_neutral() -> None:
     assert cold.on(ScoreScale(1, 5)).score == 3.0
 
 
+# --- 1b. a ranking's target: the value that does not move it (SPEC C2, G3) ------------------
+
+
+COLD = RunningScore(ALPHA).view(SETTINGS, 0.5)
+
+
+def test_with_no_evidence_the_target_is_the_scales_midpoint() -> None:
+    """Exact: nothing to compare with, so the scale's own point of no evidence."""
+    assert field_target([]) == 0.5
+    assert field_target([COLD, COLD]) == 0.5
+
+
+def test_beside_one_record_the_target_is_that_record_and_a_cold_machine_ties_with_it() -> None:
+    """Exact equality, for a short record (24 straight successes, the llama.cpp incumbent)
+    and a long imperfect one (1,000 calls at 97 %): the cold machine scores what the record
+    scores, so neither is ahead on quality. Shrunk towards the scale's midpoint instead,
+    the cold machine would be 0.24 and 0.47 behind: ranked below the only tried machine."""
+    for record in ([1.0] * 24, spread(0.97, 1000)):
+        tried = score_of(record)
+        target = field_target([tried, COLD])
+        assert tried.observed is not None
+        assert target == tried.observed
+        assert COLD.toward(target) == tried.toward(target) == tried.observed
+        assert tried.score - COLD.score > 0.2  # the midpoint's verdict: the cold one loses
+
+
+def test_the_cold_machine_sits_inside_the_field_it_joins() -> None:
+    """Strict inequalities: with a field of 0.99 and 0.80 (both at full confidence) the
+    cold machine scores strictly between them: not below every tried machine, not above
+    every one."""
+    good, poor = score_of(spread(0.99, 200)), score_of(spread(0.8, 200))
+    target = field_target([good, poor, COLD])
+    scores = good.toward(target), poor.toward(target)
+    assert min(scores) < COLD.toward(target) < max(scores)
+
+
+def test_a_full_record_is_what_it_has_shown_whatever_the_field() -> None:
+    """Exact: at full confidence the target does not matter (so convergence after a few
+    dozen observations is the running mean's, test 3 below, whatever the field)."""
+    full = score_of(spread(0.6, 60))
+    assert full.confidence == 1.0
+    for target in (0.0, 0.3, 0.97, 1.0):
+        assert full.toward(target) == full.observed == full.score
+
+
+views = st.lists(
+    st.tuples(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=80), st.integers(1, 100)),
+    min_size=1,
+    max_size=8,
+)
+
+
+@given(views)
+def test_the_target_is_the_mean_of_the_field_shrunk_towards_it(
+    fields: list[tuple[list[float], int]],
+) -> None:
+    """Absolute tolerance 1e-9 (float rounding): the target T lies between the lowest and
+    the highest observed mean, and the scores of the machines with evidence, shrunk
+    towards T, average exactly T: the fixed point that makes T the value a cold machine
+    can take without moving the field's mean."""
+    found = []
+    for values, full in fields:
+        settings = ScoreSettings(full_confidence=full)
+        found.append(feed(RunningScore(settings.alpha), values).view(settings, 0.5))
+    target = field_target(found)
+    evidence = [v for v in found if v.observed is not None]
+    if not evidence:
+        assert target == 0.5
+        return
+    observed = [v.observed for v in evidence if v.observed is not None]
+    assert min(observed) <= target <= max(observed)
+    shrunk = [v.toward(target) for v in evidence]
+    assert statistics.fmean(shrunk) == pytest.approx(target, abs=1e-9)
+    assert all(0.0 <= score <= 1.0 for score in shrunk)
+
+
 # --- 2. a lucky newcomer does not overtake a long record -------------------------------------
 
 
 def test_seven_successes_do_not_overtake_a_thousand_honest_calls() -> None:
     """Strict inequalities, no tolerance. A machine with 1,000 calls at 97% (failures
     spread evenly) outranks one with 7 straight successes; without shrinkage (the raw
-    observed mean) the newcomer would be ahead, so shrinkage is what decides."""
+    observed mean) the newcomer would be ahead, so shrinkage is what decides. (Here on the
+    scale's midpoint; through a routing decision, which shrinks towards its field's target,
+    see tests/proxy/test_chooser.py.)"""
     board = Scoreboard()
     veteran, newcomer = key("veteran"), key("newcomer")
     fill(board, veteran, spread(0.97, 1000))

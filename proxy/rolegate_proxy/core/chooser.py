@@ -17,6 +17,17 @@ ProviderPolicy names or the ledger knows about, each with its fate and the reaso
   machine, and no score brings back one a breaker or an exclusion refused. Candidates
   serving the same model on different providers are ordered the same way
   (`order_candidates`); the role's model order stays the caller's.
+* **Cold start (C2, G3).** Each ranking shrinks the operational evidence of what it ranks
+  towards that field's own target (`score.field_target`: the confidence-weighted mean of
+  the observed means, computed here once per ranking), not towards the scale's midpoint.
+  An untried machine scores the target: beside one machine with a record it ties with it
+  on quality, and its published figures (cost, then expected time) decide whether it is
+  tried first; among several it sits at the field's mean.
+* **Exploration (C4, G3).** In a share of the role's decisions (its `explorationShare`,
+  else the proxy's `explore`) a machine other than the best leads: the one with the least
+  evidence (lowest confidence), then the longest unobserved, then the best ranked. So an
+  untried machine is observed first and a demoted one is looked at again in turn, which
+  a uniform draw would do only by chance.
 * **Affinity (B3).** The machine that last answered for the role leads its candidate's
   order unless it is refused now, and a refused machine loses the pin. So does one that
   fell out of the top quality tier: the score lowers preference, the pin must not
@@ -59,7 +70,7 @@ from .exclusions import (
 )
 from .ranking import describe_place, rank
 from .routing import Candidate, MachineRouting, RoutingKind, aggregator_routing
-from .score import Scoreboard
+from .score import UNIT_SCALE, Scoreboard, ScoreView
 
 # (provider, model, machine or None for a direct provider, now) -> why it may not be sent
 # to. `Breakers.exclusion` is one: a read that changes nothing.
@@ -120,6 +131,9 @@ class MachineFate:
     score: float = 0.5
     semantic: float | None = None
     cost: float | None = None
+    # Its operational evidence as the scoreboard holds it (shrunk to `score` towards the
+    # field's target by the ranking), filled in with `score`.
+    view: ScoreView | None = field(default=None, compare=False, repr=False)
     # It leads this once by exploration rather than by rank.
     explored: bool = False
 
@@ -194,7 +208,9 @@ class Choice:
     `routing` is what to ask of an aggregator (None for a direct provider, or when
     the candidate is skipped). `skip_reason` says why nothing is sent to this candidate
     (None: send). `ruling` is the ruling the routing follows. `pinned` names the machine
-    leading by affinity. `last_resort` marks the relaxed choice of `Plan.last_resort()`."""
+    leading by affinity. `last_resort` marks the relaxed choice of `Plan.last_resort()`.
+    `target` is the operational score the ranking shrank its machines towards (None when
+    fewer than two were admitted, so nothing was ranked)."""
 
     role: str
     provider: str
@@ -206,6 +222,7 @@ class Choice:
     skip_reason: str | None = None
     pinned: str | None = None
     last_resort: bool = False
+    target: float | None = None
 
     @property
     def sendable(self) -> bool:
@@ -341,8 +358,9 @@ class Chooser:
         if not 0.0 <= explore < 1.0:
             raise ValueError(f"the exploration share must be in [0, 1), got {explore}")
         self.ledger = ledger
-        # The share of decisions in which a machine other than the best leads (see
-        # `_exploring`); 0 in the pure tests, ProxySettings.explore_share in the proxy.
+        # The share of decisions in which a machine other than the best leads, for a role
+        # that declares no `explorationShare` of its own (see `_exploring`); 0 in the pure
+        # tests, ProxySettings.explore_share in the proxy.
         self.explore = explore
         self.scores = scores if scores is not None else Scoreboard()
         # Uniform on [0, 1): the dither of the quality tiers. Tests pass a seeded one.
@@ -452,15 +470,16 @@ class Chooser:
                 admitted.append(fate)
             fates.append(fate)
 
+        target = None
         if len(admitted) > 1:
-            admitted = self._rank(role, admitted, sheet, prompt_tokens)
+            admitted, target = self._rank(role, admitted, sheet, prompt_tokens)
         refused = sorted(
             (f for f in fates if f.fate is not admit),
             key=lambda f: (_REFUSAL_ORDER[f.fate], by_expected_time(f), f.machine),
         )
         pinned = self._apply_pin(role.name, provider, model, admitted, refused)
-        if self._exploring(len(admitted)):
-            index = self._other(len(admitted))
+        if self._exploring(role, len(admitted)):
+            index = self._least_observed(admitted)
             explored = admitted.pop(index)
             explored.explored = True
             admitted.insert(0, explored)
@@ -486,8 +505,9 @@ class Chooser:
                 role, [f.machine for f in admitted], [f.machine for f in refused]
             )
         return Choice(
-            role.name, provider, model, aggregator, ruling, ordered, routing, None, pinned
-        )
+            role.name, provider, model, aggregator, ruling, ordered, routing, None, pinned,
+            target=target,
+        )  # fmt: skip
 
     def _rank(
         self,
@@ -495,37 +515,68 @@ class Chooser:
         admitted: list[MachineFate],
         sheet: dict[str, CompiledMachine],
         prompt_tokens: int,
-    ) -> list[MachineFate]:
+    ) -> tuple[list[MachineFate], float]:
         """Two or more admitted machines in rank order, each with its placement (one alone
-        is not ranked, and takes no draw)."""
-        self._score(role, admitted, sheet, prompt_tokens)
+        is not ranked, and takes no draw), and the target their scores were shrunk to."""
+        target = self._score(role, admitted, sheet, prompt_tokens)
         ranked = []
         for place in rank(admitted, role.quality_tolerance, self.draw):
             fate = place.entry
             fate.placement = (place.tier, place.behind, place.semantic_demoted)
             ranked.append(fate)
-        return ranked
+        return ranked, target
 
     def _score(
         self,
         role: CompiledRole,
         fates: Sequence[MachineFate],
-        sheet: dict[str, CompiledMachine],
+        sheet: dict[str, CompiledMachine] | None,
         prompt_tokens: int,
-    ) -> None:
-        """Fill in what the ranking reads of each admitted machine: its scores and expected
-        cost. One loop, no call per machine: it runs for every admitted machine of a
-        decision."""
-        scores_of = self.scores.scores
+    ) -> float:
+        """Fill in what the ranking reads of each machine it ranks: its semantic score, its
+        expected cost (from `sheet`; None leaves the cost as it is) and its operational
+        score shrunk towards the target of this field of machines, which it returns.
+
+        The target is `score.field_target` and each score `ScoreView.toward(target)`,
+        written out in two loops rather than called per machine: this runs for every
+        admitted machine of every decision (tests/proxy/test_chooser.py holds the two to
+        the same numbers)."""
+        evidence_of = self.scores.evidence
         out_tokens = role.expected_output_tokens
+        weight = weighted = 0.0
+        low, high = math.inf, -math.inf
         for fate in fates:
-            fate.score, fate.semantic = scores_of(fate.key)
+            view, fate.semantic = evidence_of(fate.key)
+            fate.view = view
+            observed = view.observed
+            if observed is not None:
+                confidence = view.confidence
+                weight += confidence
+                weighted += confidence * observed
+                if observed < low:
+                    low = observed
+                if observed > high:
+                    high = observed
+            if sheet is None:
+                continue
             compiled = sheet.get(fate.machine)
             if compiled is not None:
                 price_in = compiled.price_input_per_mtok
                 price_out = compiled.price_output_per_mtok
                 if price_in is not None and price_out is not None:
                     fate.cost = (prompt_tokens * price_in + out_tokens * price_out) / 1e6
+        target = UNIT_SCALE.neutral if weight == 0.0 else min(high, max(low, weighted / weight))
+        for fate in fates:
+            held = fate.view
+            assert held is not None  # read in the loop above
+            observed = held.observed
+            if observed is None:
+                fate.score = target
+            elif held.confidence >= 1.0:
+                fate.score = observed
+            else:
+                fate.score = target + held.confidence * (observed - target)
+        return target
 
     def _sheet(
         self, candidate: Candidate
@@ -575,26 +626,40 @@ class Chooser:
                     continue
                 head = choice.fates[0]
                 sheet, _, _ = self._sheet(candidate)
-                self._score(role, [head], sheet, prompt_tokens)
+                self._score(role, [head], sheet, prompt_tokens)  # its cost, from its sheet
                 entries.append(head)
                 by_key[head.key] = candidate
-            group_order = [by_key[place.entry.key] for place in rank(entries,
-                           role.quality_tolerance, self.draw)]  # fmt: skip
-            if self._exploring(len(group_order)):
-                group_order.insert(0, group_order.pop(self._other(len(group_order))))
-            ordered.extend(group_order)
+            # The heads are ranked against each other: shrunk towards their own field.
+            self._score(role, entries, None, prompt_tokens)
+            heads = [place.entry for place in rank(entries, role.quality_tolerance, self.draw)]
+            if self._exploring(role, len(heads)):
+                heads.insert(0, heads.pop(self._least_observed(heads)))
+            ordered.extend(by_key[head.key] for head in heads)
             ordered.extend(closed)
         return ordered
 
-    def _exploring(self, count: int) -> bool:
-        """Whether this decision explores: with probability `explore`, when there is more
-        than one to choose from (SPEC C4: the score may lower a machine's preference, never
-        shut it out; without some traffic a demoted machine's score could never recover)."""
-        return count > 1 and self.explore > 0 and self.draw() < self.explore
+    def _exploring(self, role: CompiledRole, count: int) -> bool:
+        """Whether this decision explores: with probability the role's exploration share
+        (its `explorationShare`, else `explore`), when there is more than one to choose
+        from (SPEC C4, G3: the score may lower a machine's preference, never shut it out;
+        without some traffic a demoted or untried machine's score could never move)."""
+        share = self.explore if role.exploration_share is None else role.exploration_share
+        return count > 1 and share > 0 and self.draw() < share
 
-    def _other(self, count: int) -> int:
-        """A uniformly drawn position other than the first, of `count` > 1."""
-        return 1 + min(count - 2, int(self.draw() * (count - 1)))
+    def _least_observed(self, ranked: Sequence[MachineFate]) -> int:
+        """The position, other than the first, of the machine to explore: the least
+        evidence (lowest confidence: an untried machine first), then the longest since it
+        was last observed (full-confidence machines take their turns), then the best
+        ranked. Called only for a decision that explores, on scored machines."""
+        last_observed = self.scores.last_observed
+
+        def evidence(index: int) -> tuple[float, float, int]:
+            fate = ranked[index]
+            confidence = 0.0 if fate.view is None else fate.view.confidence
+            seen = last_observed(fate.key)
+            return (confidence, -math.inf if seen is None else seen, index)
+
+        return min(range(1, len(ranked)), key=evidence)
 
     def _apply_pin(
         self,

@@ -26,11 +26,20 @@ single failure moves a long record by at most alpha; the price is lag). The mean
 weighted sum and the total weight, so it is bias-corrected like Adam's moments: the first
 observations average plainly instead of being pulled towards an arbitrary starting value.
 
-**Shrinkage.** `confidence = min(1, n / full_confidence)` and `score = neutral +
-confidence * (observed - neutral)`: a machine with seven answers is mostly the neutral
-point, one with fifty or more is what it has shown. So a lucky newcomer cannot overtake a
-machine with a long, slightly imperfect record, and a cold machine is neither credited nor
-blamed.
+**Shrinkage.** `confidence = min(1, n / full_confidence)` and `score = target +
+confidence * (observed - target)`: a machine with seven answers is mostly the target, one
+with fifty or more is what it has shown. The target is the value that does not move the
+ranking (SPEC C2, G3), so it depends on what is ranked, not only on the scale:
+
+* A `ScoreView` on its own (the state endpoint, the metrics) is shrunk towards its scale's
+  midpoint, `neutral` (0.5 on [0, 1]): the point of no evidence, with no field to compare.
+* A routing decision shrinks every machine it ranks towards that field's own target,
+  `field_target`: the confidence-weighted mean of the observed means of the machines with
+  evidence. It is exactly the mean of their shrunk scores, so a cold machine (scored at the
+  target) lands in the middle of the field it joins: never below every tried machine
+  (punished for having no history), never above every one (overtaking a long honest
+  record). The chooser computes it once per decision (core/chooser.py); reading a machine
+  here stays O(1).
 
 Grain: one score per (provider, model, machine), a `MachineKey`. Pure: no I/O, no event
 loop; the clock is an argument. Memory is bounded (`ScoreSettings.max_keys`).
@@ -125,10 +134,11 @@ class ScoreScale:
     """The scale a score is reported on, [low, high].
 
     The neutral point is the scale's midpoint, defined here rather than copied as a
-    constant, because it depends on the scale. On a rate of usable answers in [0, 1], 0.5
-    is the point of no evidence: a cold machine is not given 0 for lacking history (it
-    would never be tried), and it cannot overtake a machine with a long good record (it
-    would be tried on luck). An evaluator that declares 1..5 gets 3.
+    constant, because it depends on the scale: an evaluator that declares 1..5 gets 3. It
+    is the point of no evidence a view is shown against on its own. It is not what a
+    ranking shrinks towards: where healthy machines sit near 0.95, a cold machine at 0.5
+    would rank below every tried one and never be tried, so a routing decision shrinks
+    towards its field's target instead (`field_target`).
     """
 
     low: float = 0.0
@@ -161,13 +171,26 @@ UNIT_SCALE = ScoreScale()
 class ScoreView:
     """A score as read at one moment. `score` is the shrunk score, `observed` the smoothed
     mean it is shrunk from (None with no observation), `n` the observations behind it,
-    `confidence` min(1, n / N), `neutral` the point it is shrunk towards."""
+    `confidence` min(1, n / N), `neutral` the point it is shrunk towards: its scale's
+    midpoint. A routing decision shrinks the same evidence towards its field's target
+    instead (`toward`, `field_target`)."""
 
     score: float
     observed: float | None
     n: int
     confidence: float
     neutral: float
+
+    def toward(self, target: float) -> float:
+        """The score shrunk towards `target` rather than `neutral`: `target` itself with no
+        observation, the observed mean itself at full confidence (exactly, so a machine
+        with a long record is what it has shown whatever the field)."""
+        observed = self.observed
+        if observed is None:
+            return target
+        if self.confidence >= 1.0:
+            return observed
+        return target + self.confidence * (observed - target)
 
     def on(self, scale: ScoreScale) -> ScoreView:
         """This view (taken on [0, 1]) expressed on `scale`, e.g. an evaluator's 1..5."""
@@ -188,6 +211,40 @@ class ScoreEvidence:
     n: int
     mean: float
     weight: float
+
+
+def field_target(views: Iterable[ScoreView]) -> float:
+    """The shrinkage target of one ranking: the value that does not move it (SPEC C2, G3).
+
+    Over the views with evidence, sum(c_i * observed_i) / sum(c_i), c_i each one's
+    confidence; the scale's midpoint when none has any. Derived, not chosen: it is the one
+    value T for which the mean of the field's scores shrunk towards T (`toward`) is T
+    itself, since sum(c_i * (observed_i - T)) = 0. So a cold machine, scored at T, sits at
+    the field's mean: at or above its worst tried machine (not punished for having no
+    history) and at or below its best (it cannot overtake a long honest record); alone
+    beside one machine with a record, it ties with it, and the published figures (cost,
+    then expected time) decide. Each machine counts by its confidence, capped at 1, rather
+    than by its raw count of calls: the smoothed mean forgets old calls, and a busy machine
+    is not more of the field than a quiet one whose record is as sure.
+
+    Clamped to [lowest, highest] observed mean, where it lies in exact arithmetic: so when
+    every machine with evidence has the same mean, the target is that mean exactly, and a
+    cold machine ties with them exactly (a strict ranking, tolerance 0, sees no rounding).
+    """
+    weight = weighted = 0.0
+    low, high = math.inf, -math.inf
+    for view in views:
+        observed = view.observed
+        if observed is None:
+            continue
+        confidence = view.confidence
+        weight += confidence
+        weighted += confidence * observed
+        low = min(low, observed)
+        high = max(high, observed)
+    if weight == 0.0:
+        return UNIT_SCALE.neutral
+    return min(high, max(low, weighted / weight))
 
 
 class RunningScore:
@@ -342,14 +399,20 @@ class Scoreboard:
         record = self._records.get(key)
         return self._cold if record is None else record.view
 
-    def scores(self, key: MachineKey) -> tuple[float, float | None]:
-        """The operational score and the semantic score (None until judged) in one read:
-        what the ranking needs of every admitted machine on every decision."""
+    def evidence(self, key: MachineKey) -> tuple[ScoreView, float | None]:
+        """The operational view and the semantic score (None until judged) in one read:
+        what the ranking needs of every admitted machine on every decision (it shrinks the
+        operational evidence towards its own field's target, `field_target`)."""
         record = self._records.get(key)
         if record is None:
-            return self._cold.score, None
+            return self._cold, None
         semantic = record.semantic
-        return record.view.score, None if semantic is None else semantic.view.score
+        return record.view, None if semantic is None else semantic.view.score
+
+    def last_observed(self, key: MachineKey) -> float | None:
+        """When `key` was last observed operationally (None: never, or forgotten)."""
+        record = self._records.get(key)
+        return None if record is None else record.operational.last_at
 
     def semantic(self, key: MachineKey) -> ScoreView | None:
         """The semantic view of `key` on [0, 1], or None until an evaluator judged it."""

@@ -56,8 +56,9 @@ class ProxySettings:
     # The operational score's shrinkage N and smoothing half-life (in observations).
     score_full_confidence: int = 50
     score_half_life: float = 35.0
-    # The share of routing decisions in which a machine other than the best leads, so a
-    # demoted machine keeps being observed and can win its traffic back.
+    # The share of routing decisions in which a machine other than the best leads, so an
+    # untried or demoted machine keeps being observed and can win its traffic back; a
+    # role's own explorationShare overrides it.
     explore_share: float = 0.02
     # Seeds the proxy's randomness (backoff jitter, breaker cooldown jitter, the quality
     # tiers' dither) for reproducible simulations; None: seeded from the OS.

@@ -44,7 +44,8 @@ class Dispatcher:
     ledger: Ledger = field(default_factory=Ledger)
     # Each machine's operational and semantic quality (SPEC C1-C3), fed by the outcomes.
     scores: Scoreboard = field(default_factory=Scoreboard)
-    # The share of routing decisions that explore (a machine other than the best leads).
+    # The share of routing decisions that explore (a machine other than the best leads),
+    # for a role without an explorationShare of its own.
     explore: float = 0.02
     # How often a buffered stream's caller hears that the answer is being worked on.
     keepalive_seconds: float = KEEPALIVE_SECONDS
