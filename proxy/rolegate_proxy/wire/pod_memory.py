@@ -23,13 +23,15 @@ from typing import Any, Final, TypeGuard
 
 import orjson
 
+from rolegate_policy.model import MAX_MEMORY_MACHINES
+
 from ..core.beliefs import Evidence, MachineEvidence, MachineKey
 from ..core.fleet import PodMemory
 from ..core.score import ScoreEvidence
 
 FORMAT: Final = 1
-# Machines a memory may hold: the ledger's own bound.
-MAX_MACHINES: Final = 4096
+# Machines a memory may hold: the ledger's own bound, and the ProxyMemory kind's.
+MAX_MACHINES: Final = MAX_MEMORY_MACHINES
 MAX_NAME_CHARS: Final = 253
 # No pseudo-count is larger than the ledger's cap; this bound only refuses nonsense.
 MAX_COUNT: Final = 1e9
@@ -56,6 +58,12 @@ def encode(memory: PodMemory) -> bytes:
             "machines": list(rows.values())[:MAX_MACHINES],
         }
     )
+
+
+def machine_count(memory: PodMemory) -> int:
+    """The machines `encode` writes a row for (those with evidence, a score or both)."""
+    keys = {item.key for item in memory.machines} | {key for key, _ in memory.scores}
+    return min(len(keys), MAX_MACHINES)
 
 
 def _evidence(evidence: Evidence | None) -> list[float] | None:
