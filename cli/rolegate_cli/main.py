@@ -185,6 +185,14 @@ def _parser() -> argparse.ArgumentParser:
         help="how often the --state-file is written (default: 30)",
     )
     proxy.add_argument(
+        "--memory-publish-seconds",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="with --configmap: write what this pod learned of each machine to its "
+        "ProxyMemory this often, for the other pods and its own restarts (default: 30)",
+    )
+    proxy.add_argument(
         "--token-cache-seconds",
         type=_positive_float,
         default=60.0,
@@ -480,6 +488,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         token_cache_seconds=args.token_cache_seconds,
         state_file=args.state_file,
         state_save_seconds=args.state_save_seconds,
+        memory_publish_seconds=args.memory_publish_seconds,
     )
     try:
         serve(settings, config, source)

@@ -88,8 +88,7 @@ def programmed(
         return _programmed(
             ConditionStatus.TRUE,
             SERVED,
-            f"{_every(total)} configuration {config_hash}, which holds generation "
-            f"{generation}.",
+            f"{_every(total)} configuration {config_hash}, which holds generation {generation}.",
             generation,
         )
     return _programmed(

@@ -1,5 +1,6 @@
-"""The CustomResourceDefinitions of `RoleTable` and `ProviderPolicy`, generated from the
-policy model so the API server and `compile` can never disagree about what a valid spec is.
+"""The CustomResourceDefinitions of rolegate's kinds (`RoleTable`, `ProviderPolicy`,
+`AccessGrant`, `ProxyMemory`), generated from the policy model so the API server and
+`compile` can never disagree about what a valid spec is.
 
 `render_crds()` turns each spec model's JSON schema (pydantic, draft 2020-12) into the
 *structural* OpenAPI v3 schema the API server requires: `$ref`s inlined, `title`s
@@ -38,12 +39,19 @@ from rolegate_policy import GROUP, VERSION
 from rolegate_policy.model import (
     ACCESS_GRANT_KIND,
     PROVIDER_POLICY_KIND,
+    PROXY_MEMORY_KIND,
     ROLE_TABLE_KIND,
     AccessGrantSpec,
     ProviderPolicySpec,
+    ProxyMemorySpec,
     RoleTableSpec,
 )
-from rolegate_policy.status import AccessGrantStatus, ProviderPolicyStatus, RoleTableStatus
+from rolegate_policy.status import (
+    AccessGrantStatus,
+    ProviderPolicyStatus,
+    ProxyMemoryStatus,
+    RoleTableStatus,
+)
 
 # The resources ----------------------------------------------------------------------
 
@@ -264,6 +272,44 @@ RESOURCES: Final = (
                 "description": "What its callers may use together, per proxy pod.",
                 "priority": 1,
             },
+        ),
+    ),
+    Resource(
+        kind=PROXY_MEMORY_KIND,
+        plural="proxymemories",
+        singular="proxymemory",
+        short_names=("pmem",),
+        description=(
+            "ProxyMemory holds what one rolegate proxy pod learned of each machine (its own "
+            "evidence of their speed and its operational scores), written by that pod "
+            "every 30 seconds (its `--memory-publish-seconds`) and read by the other proxy "
+            "pods of its namespace, so the "
+            "whole fleet routes from what any pod learned, and a restarted pod takes its "
+            "own memory back. One object per pod, named after it; not compiled by the "
+            "operator. Delete them (and restart the proxies) to make the fleet forget."
+        ),
+        spec=ProxyMemorySpec,
+        status=ProxyMemoryStatus,
+        columns=(
+            {
+                "name": "Pod",
+                "type": "string",
+                "jsonPath": ".spec.pod",
+                "description": "The proxy pod whose memory this is.",
+            },
+            {
+                "name": "Machines",
+                "type": "integer",
+                "jsonPath": ".spec.machines",
+                "description": "Machines the memory holds.",
+            },
+            {
+                "name": "Written",
+                "type": "date",
+                "jsonPath": ".spec.writtenAt",
+                "description": "When the pod last wrote it.",
+            },
+            _AGE_COLUMN,
         ),
     ),
 )

@@ -1,4 +1,6 @@
-"""Typed models of the two custom resource specs: `RoleTable` and `ProviderPolicy`.
+"""Typed models of the custom resource specs: `RoleTable`, `ProviderPolicy` and
+`AccessGrant` (the policy `compile` reads), and `ProxyMemory` (what each proxy pod
+learned, shared with its fleet; never compiled).
 
 These models are the single source of truth for what a valid spec is. Field
 descriptions and constraints are written for `kubectl explain`: the CRD's OpenAPI schema
@@ -15,6 +17,7 @@ convention); a misspelled or unknown field is an error that names it.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import Annotated, Any, Final
 
 from pydantic import (
@@ -41,6 +44,7 @@ from rolegate_policy.field_errors import Loc, SpecRuleError, register_pattern_hi
 ROLE_TABLE_KIND: Final = "RoleTable"
 PROVIDER_POLICY_KIND: Final = "ProviderPolicy"
 ACCESS_GRANT_KIND: Final = "AccessGrant"
+PROXY_MEMORY_KIND: Final = "ProxyMemory"
 
 ROLE_NAME_PATTERN: Final = register_pattern_hint(
     r"^[a-z0-9]([-a-z0-9._]*[a-z0-9])?$",
@@ -1005,6 +1009,48 @@ class AccessGrantSpec(SpecModel):
                 [(("roles",), "`roles` must name at least one role unless `admin` is true")]
             )
         return self
+
+
+# ProxyMemory ------------------------------------------------------------------------
+
+# Machines one pod's memory may hold (the proxy's ledger holds no more).
+MAX_MEMORY_MACHINES: Final = 4096
+# The memory's text, in characters: below etcd's 1.5 MiB limit on a stored object, with
+# room for the object's metadata. (1,000 machines take about 128 KB.)
+MAX_MEMORY_CHARS: Final = 1_400_000
+
+
+class ProxyMemorySpec(SpecModel):
+    """What one proxy pod learned of each machine, as it last wrote it."""
+
+    pod: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN_PATTERN,
+        description="Name of the proxy pod whose memory this is; only that pod writes it.",
+    )
+    written_at: datetime = Field(
+        description=(
+            "When the pod wrote the memory. The other pods weigh it by its age (half as much "
+            "every 30 minutes); one older than a day is ignored and deleted."
+        ),
+    )
+    machines: int = Field(
+        ge=0,
+        le=MAX_MEMORY_MACHINES,
+        description="Number of machines the memory holds, for `kubectl get`.",
+    )
+    memory: str = Field(
+        min_length=1,
+        max_length=MAX_MEMORY_CHARS,
+        description=(
+            "The memory, in the pod-memory format (compact JSON, the same a standalone "
+            "proxy keeps in its `--state-file`): per machine, the pod's own evidence of its "
+            "time to the first token and per-token gap, and its operational score's record. "
+            "Numbers and machine names only, never a prompt, a completion or a credential. "
+            "About 128 bytes a machine."
+        ),
+    )
 
 
 SPEC_MODELS: Final[dict[str, type[SpecModel]]] = {

@@ -423,3 +423,10 @@ class AccessGrantStatus(StatusModel):
             "serves it."
         ),
     )
+
+
+class ProxyMemoryStatus(StatusModel):
+    """The status of a ProxyMemory: nothing is written to it today (the memory is all in
+    the spec, written by its pod)."""
+
+    observed_generation: int | None = _observed_generation()

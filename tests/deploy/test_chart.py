@@ -624,7 +624,8 @@ def test_lease_timings_in_order_render() -> None:
 
 
 def test_proxy_connection_limits_render_as_flags() -> None:
-    """The connection limits reach the proxy's flags, fractions as `--set` strings too."""
+    """The connection limits (and the memory's interval) reach the proxy's flags, fractions
+    as `--set` strings too."""
     docs = render(
         RELEASE, NS,
         sets=[
@@ -633,14 +634,17 @@ def test_proxy_connection_limits_render_as_flags() -> None:
             "proxy.idleTimeoutSeconds=620",
             "proxy.maxConnections=100",
             "proxy.tokenCacheSeconds=12.5",
+            "proxy.memoryPublishSeconds=7.5",
         ],
     )  # fmt: skip
     args = container(docs, "proxy")["args"]
     flags = (
         "--header-timeout-seconds", "--body-timeout-seconds", "--idle-timeout-seconds",
-        "--max-connections", "--token-cache-seconds",
+        "--max-connections", "--token-cache-seconds", "--memory-publish-seconds",
     )  # fmt: skip
-    assert [args[args.index(flag) + 1] for flag in flags] == ["2.5", "0.5", "620", "100", "12.5"]
+    assert [args[args.index(flag) + 1] for flag in flags] == [
+        "2.5", "0.5", "620", "100", "12.5", "7.5",
+    ]  # fmt: skip
 
 
 def test_proxy_deployment(renders: dict[str, Docs]) -> None:
@@ -657,6 +661,7 @@ def test_proxy_deployment(renders: dict[str, Docs]) -> None:
         "--header-timeout-seconds", "10", "--body-timeout-seconds", "30",
         "--idle-timeout-seconds", "75", "--max-connections", "4096",
         "--token-cache-seconds", "60", "--status-heartbeat-seconds", "30",
+        "--memory-publish-seconds", "30",
     ]  # fmt: skip
     # The probes, like Prometheus, use the metrics port (9090), never the API's.
     assert each["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
@@ -741,6 +746,10 @@ def test_rbac_rules_are_exactly_the_documented_ones(renders: dict[str, Docs]) ->
         "apiGroups": ["rolegate.dev"], "resources": ["providerpolicies/status"],
         "verbs": ["patch"],
     }  # fmt: skip
+    proxy_memory = {
+        "apiGroups": ["rolegate.dev"], "resources": ["proxymemories"],
+        "verbs": ["get", "list", "watch", "create", "patch", "delete"],
+    }  # fmt: skip
     documented = documented_operator_rules(configmap, lease)
     # The ConfigMap's and the Lease's rules belong where they live: the release namespace.
     home_only = (["configmaps"], ["leases"])
@@ -760,13 +769,15 @@ def test_rbac_rules_are_exactly_the_documented_ones(renders: dict[str, Docs]) ->
 
     # Default: the release namespace is watched and holds the ConfigMap.
     for case in ("default", "ha"):
-        assert rbac_rules(renders[case], "proxy") == {NS: rules(proxy_configmap, proxy_status)}
+        assert rbac_rules(renders[case], "proxy") == {
+            NS: rules(proxy_configmap, proxy_memory, proxy_status)
+        }
         assert rbac_rules(renders[case], "operator") == {NS: rules(*documented)}
 
     # Two other namespaces watched: the ConfigMap rules stay at home, the rest go there.
     teams = watched_namespaces(MULTI)
     assert rbac_rules(renders["multi-namespace"], "proxy") == {
-        NS: rules(proxy_configmap),
+        NS: rules(proxy_configmap, proxy_memory),
         **{team: rules(proxy_status) for team in teams},
     }
     assert rbac_rules(renders["multi-namespace"], "operator") == {

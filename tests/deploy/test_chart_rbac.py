@@ -20,9 +20,11 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -403,8 +405,11 @@ def release(crds: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Rel
     values = {
         "watchNamespaces": [home, second],
         "operator": {"logLevel": "info"},
-        "proxy": {"apiKeySecrets": [KEY_SECRET], "logLevel": "info", "statusHeartbeatSeconds": 2},
-    }
+        "proxy": {
+            "apiKeySecrets": [KEY_SECRET], "logLevel": "info", "statusHeartbeatSeconds": 2,
+            "memoryPublishSeconds": 1,
+        },
+    }  # fmt: skip
     return install_release(crds, "edge", home, values, tmp_path_factory.mktemp("helm"))
 
 
@@ -583,6 +588,10 @@ ESCALATION: list[list[str]] = [
 ]
 
 
+MEMORIES = "proxymemories.rolegate.dev"
+MEMORY_VERBS = ("get", "list", "watch", "create", "patch", "delete")
+
+
 def proxy_answers(
     release: Release, elsewhere: str
 ) -> tuple[list[tuple[str, list[str]]], list[tuple[str, list[str]]]]:
@@ -595,7 +604,17 @@ def proxy_answers(
     # Verifying callers' ServiceAccount tokens: cluster-scoped, and nothing else about
     # authentication (docs/access.md).
     yes += [(home, ["create", "tokenreviews.authentication.k8s.io"])]
-    no: list[tuple[str, list[str]]] = []
+    # The fleet's memory, in the release namespace only: its own written and read back,
+    # the others' listed and watched, a day-old one deleted.
+    yes += [(home, [verb, MEMORIES]) for verb in MEMORY_VERBS]
+    no: list[tuple[str, list[str]]] = [
+        (home, ["update", MEMORIES]),
+        (home, ["deletecollection", MEMORIES]),
+        (home, ["patch", MEMORIES, "--subresource=status"]),
+    ]
+    no += [(ns, [verb, MEMORIES]) for ns in release.watched[1:] for verb in MEMORY_VERBS]
+    no += [(elsewhere, [verb, MEMORIES]) for verb in MEMORY_VERBS]
+    no += [(home, ["list", MEMORIES, "--all-namespaces"])]
     for ns in release.watched:
         no += [(ns, [verb, "providerpolicies.rolegate.dev"]) for verb in (
             "get", "list", "watch", "patch", "update", "create", "delete")]  # fmt: skip
@@ -637,7 +656,8 @@ def test_the_proxy_account_can_exactly_what_it_needs(release: Release, elsewhere
 def test_the_proxy_account_is_granted_nothing_unexpected(release: Release, elsewhere: str) -> None:
     status = ("providerpolicies.rolegate.dev/status", "", "patch")
     config = {("configmaps", release.configmap, verb) for verb in ("get", "list", "watch")}
-    expected = {release.namespace: {status, *config}}
+    memories = {(MEMORIES, "", verb) for verb in MEMORY_VERBS}
+    expected = {release.namespace: {status, *config, *memories}}
     expected |= {ns: {status} for ns in release.watched[1:]}
     expected[elsewhere] = set()
     # The cluster-scoped right to create TokenReviews shows in every namespace's list.
@@ -889,6 +909,48 @@ def test_the_proxy_reports_a_trip_on_the_policy_in_each_watched_namespace(
         assert not (report(home) or {}).get("breakers"), "the home policy was not at fault"
     finally:
         set_faults(stack.sim_url, MODEL_SECOND, [])
+    stack.assert_never_forbidden()
+
+
+def test_the_proxy_shares_its_memory_and_deletes_a_day_old_one_as_its_account(
+    stack: Stack,
+) -> None:
+    release = stack.release
+    home, second = release.watched
+    own = f"memory-{stack.proxy_pod}"
+
+    def memories(namespace: str = home) -> dict[str, dict[str, Any]]:
+        found = release.json("get", "pmem", namespace=namespace)["items"]
+        return {item["metadata"]["name"]: item for item in found}
+
+    # Written by server-side apply (created the first time, then patched), every second.
+    first = stack.wait(lambda: memories().get(own), "the proxy's ProxyMemory")
+    assert first["spec"]["pod"] == stack.proxy_pod
+    assert first["metadata"]["labels"] == {"app.kubernetes.io/component": "proxy-memory"}
+    shown = release.json("get", "pmem", own, "--show-managed-fields")
+    managers = {entry["manager"] for entry in shown["metadata"]["managedFields"]}
+    assert managers == {f"rolegate-proxy/{stack.proxy_pod}"}
+
+    def rewritten() -> bool:
+        again = memories().get(own)
+        return again is not None and datetime.fromisoformat(
+            again["spec"]["writtenAt"]
+        ) > datetime.fromisoformat(first["spec"]["writtenAt"])
+
+    stack.wait(rewritten, "the ProxyMemory written again")
+    # A gone pod's memory of two days ago: heard by nobody, deleted by the proxy.
+    written = time.time() - 2 * 86_400
+    memory = json.dumps({"format": 1, "pod": "gone-pod", "writtenAt": written, "machines": []})
+    release.apply({
+        "apiVersion": "rolegate.dev/v1alpha1", "kind": "ProxyMemory",
+        "metadata": {"name": "memory-gone-pod", "namespace": home,
+                     "labels": {"app.kubernetes.io/component": "proxy-memory"}},
+        "spec": {"pod": "gone-pod", "machines": 0, "memory": memory,
+                 "writtenAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(written))},
+    })  # fmt: skip
+    stack.wait(lambda: "memory-gone-pod" not in memories(), "the day-old memory deleted")
+    # Only in the release namespace, the ConfigMap's.
+    assert memories(second) == {}
     stack.assert_never_forbidden()
 
 

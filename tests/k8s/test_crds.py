@@ -571,6 +571,50 @@ def test_access_grants_show_roles_admin_and_in_wide_output_their_limits(
     ]
 
 
+def _proxy_memory(**spec: Any) -> dict[str, Any]:
+    pod = "rolegate-proxy-7d9f-abcde"
+    memory = (
+        '{"format":1,"pod":"rolegate-proxy-7d9f-abcde","writtenAt":1767225600.0,"machines":'
+        '[["sim-router","qwen/qwen3-coder","deepinfra",42,[8.1,-3.2,1.9],null,[42,0.97,25.3]]]}'
+    )
+    return {
+        "apiVersion": "rolegate.dev/v1alpha1",
+        "kind": "ProxyMemory",
+        "metadata": {
+            "name": f"memory-{pod}",
+            "labels": {"app.kubernetes.io/component": "proxy-memory"},
+        },
+        "spec": {
+            "pod": pod, "writtenAt": "2026-01-01T00:00:00Z", "machines": 1, "memory": memory,
+            **spec,
+        },
+    }  # fmt: skip
+
+
+def test_proxy_memories_show_their_pod_machines_and_when_they_were_written(
+    crds: ControlPlane, namespace: str
+) -> None:
+    apply(crds, namespace, _proxy_memory())
+    (row,) = _show(crds, namespace, "pmem")
+    assert list(row) == ["NAME", "POD", "MACHINES", "WRITTEN", "AGE"]
+    assert (row["NAME"], row["POD"], row["MACHINES"]) == (
+        "memory-rolegate-proxy-7d9f-abcde", "rolegate-proxy-7d9f-abcde", "1",
+    )  # fmt: skip
+    assert crds.kubectl("get", "rolegate", "-n", namespace, "-o", "name").stdout.split() == [
+        "proxymemory.rolegate.dev/memory-rolegate-proxy-7d9f-abcde"
+    ]
+    # Bounded below etcd's 1.5 MiB object limit, and refused naming the field.
+    for spec, field in (
+        ({"memory": "x" * 1_400_001}, "spec.memory"),
+        ({"machines": 4097}, "spec.machines"),
+        ({"pod": "Not_A_Pod"}, "spec.pod"),
+        ({"writtenAt": "yesterday"}, "spec.writtenAt"),
+    ):
+        refused = apply(crds, namespace, _proxy_memory(**spec), check=False)
+        assert refused.returncode != 0, spec.keys()
+        assert field in refused.stderr, refused.stderr[:500]
+
+
 def test_wide_output_adds_generations_the_message_the_endpoint_and_secrets(
     crds: ControlPlane, namespace: str
 ) -> None:

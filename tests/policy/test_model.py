@@ -18,12 +18,17 @@ from rolegate_policy.field_errors import translate
 from rolegate_policy.model import (
     BreakerSpec,
     ProviderPolicySpec,
+    ProxyMemorySpec,
     RoleSpec,
     RoleTableSpec,
     SpecModel,
     parse_spec,
 )
-from rolegate_policy.status import ProviderPolicyStatus, RoleTableStatus
+from rolegate_policy.status import (
+    ProviderPolicyStatus,
+    ProxyMemoryStatus,
+    RoleTableStatus,
+)
 
 from .builders import PLANTED_SECRET, provider, role, role_table
 
@@ -485,6 +490,10 @@ def test_all_spec_models_forbid_extra_fields_and_are_frozen() -> None:
 
 def test_reference_documents_every_field() -> None:
     reference = (Path(__file__).parents[2] / "docs" / "reference.md").read_text(encoding="utf-8")
-    for model in (RoleTableSpec, ProviderPolicySpec, RoleTableStatus, ProviderPolicyStatus):
+    models: tuple[type[BaseModel], ...] = (
+        RoleTableSpec, ProviderPolicySpec, ProxyMemorySpec,
+        RoleTableStatus, ProviderPolicyStatus, ProxyMemoryStatus,
+    )  # fmt: skip
+    for model in models:
         for name, _ in _properties(model.model_json_schema(by_alias=True)):
             assert f"`{name}`" in reference, f"docs/reference.md does not document {name}"

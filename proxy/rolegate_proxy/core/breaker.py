@@ -876,6 +876,11 @@ class Breakers:
             summed[(item.key, item.family)] = (calls + item.count, faults + item.faults)
         self._peer_rates = summed
 
+    def peer_trips(self, now: float) -> list[PeerTrip]:
+        """The fleet's other pods' open breakers keeping keys out here now, sorted."""
+        live = (trip for trip in self._fleet.values() if now < trip.until)
+        return sorted(live, key=lambda trip: _sort_key(trip.key))
+
     def own_trips(self, now: float) -> list[tuple[BreakerKey, TripReason]]:
         """This pod's open and half-open breakers (not what it heard), for the fleet."""
         return [

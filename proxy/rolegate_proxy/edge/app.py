@@ -23,6 +23,7 @@ from .calls import Call
 from .configmap_source import ConfigMapSource
 from .credentials import KeyStore
 from .error_shape import MAX_BODY_BYTES
+from .fleet_memory import RESTORE_SECONDS, FleetMemory
 from .settings import ProxySettings
 from .state import STATE, ProxyState
 from .state_file import StateKeeper
@@ -59,8 +60,9 @@ def create_app(
     if source is not None:
         app.cleanup_ctx.append(_config_watch)
         # In a cluster (the configuration comes from the API server), each pod reports on
-        # the ProviderPolicies' status: the hash it serves, its keys, its breakers.
-        app.cleanup_ctx.append(_status_reports)
+        # the ProviderPolicies' status (the hash it serves, its keys, its breakers) and
+        # shares its memory with the other pods.
+        app.cleanup_ctx.append(_cluster_writes)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
     add_operational_routes(app, metrics=settings.metrics_port is None)
@@ -201,7 +203,12 @@ async def _breaker_clock(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
-async def _status_reports(app: web.Application) -> AsyncIterator[None]:
+async def _cluster_writes(app: web.Application) -> AsyncIterator[None]:
+    """What the pod writes to the API server: its report on each ProviderPolicy's status,
+    and its ProxyMemory (edge/fleet_memory.py), its own restored before the first request
+    (within RESTORE_SECONDS) while the other pods' are heard. At shutdown, both farewells
+    (the reports withdrawn, the memory written once more) run together, within
+    WITHDRAW_SECONDS in all."""
     state = app[STATE]
     assert state.source is not None
     dispatcher = state.dispatcher
@@ -214,22 +221,34 @@ async def _status_reports(app: web.Application) -> AsyncIterator[None]:
         quirks=dispatcher.recorder.quirks_of,
         key_resolution=state.keys.resolution,
     )
+    memory = FleetMemory(
+        dispatcher,
+        namespace=state.source.namespace,
+        kubeconfig=state.source.kubeconfig,
+        publish_seconds=state.settings.memory_publish_seconds,
+    )
     dispatcher.listeners.append(reporter.mark_dirty)
+    dispatcher.listeners.append(memory.mark_urgent)
     state.report_listeners.append(reporter.mark_dirty)
     async with aiohttp.ClientSession() as session:
-        task = asyncio.create_task(reporter.run(session), name="rolegate-status-reports")
+        await memory.restore_own(session, within=RESTORE_SECONDS)
+        reports = asyncio.create_task(reporter.run(session), name="rolegate-status-reports")
+        sharing = asyncio.create_task(memory.run(session), name="rolegate-fleet-memory")
         yield
-        # Shutdown (after the grace period for open streams): the write in flight
+        # Shutdown (after the grace period for open streams): the report in flight
         # finishes, not cut off, so it cannot land after the withdrawal; then the pod
-        # withdraws its reports. At most WITHDRAW_SECONDS in all.
+        # withdraws its reports and writes its memory a last time, both at once.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + WITHDRAW_SECONDS
         reporter.stop()
-        await asyncio.wait({task}, timeout=WITHDRAW_SECONDS / 2)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await reporter.withdraw(session, within=deadline - loop.time())
+        sharing.cancel()
+        await asyncio.wait({reports}, timeout=WITHDRAW_SECONDS / 2)
+        reports.cancel()
+        await asyncio.gather(reports, sharing, return_exceptions=True)
+        await asyncio.gather(
+            reporter.withdraw(session, within=deadline - loop.time()),
+            memory.farewell(session, within=deadline - loop.time()),
+        )
 
 
 async def _config_watch(app: web.Application) -> AsyncIterator[None]:

@@ -10,10 +10,7 @@ jittered backoff; a watch that goes silent is bounded by its own timeouts.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,15 +23,11 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 
-from .kube_api import KubeAccess, KubeApiError, describe_error, load_access
+from .kube_api import Backoff, ListWatch, Object
 
 log = logging.getLogger("rolegate.proxy.config")
 
 CONFIG_KEY = "config.json"
-# The API server ends a watch after this long; we then resume from the last version.
-WATCH_SECONDS = 60
-# A watch silent for longer than this (no event, no bookmark) is presumed dead.
-SILENCE_SECONDS = WATCH_SECONDS + 15
 
 
 class ConfigRejected(ValueError):
@@ -55,21 +48,6 @@ def parse_payload(configmap: dict[str, Any]) -> ProxyConfig:
 
 
 @dataclass
-class Backoff:
-    first: float = 0.25
-    cap: float = 5.0
-    current: float = 0.0
-    rng: random.Random = field(default_factory=random.Random)
-
-    def next_delay(self) -> float:
-        self.current = self.first if self.current == 0 else min(self.cap, self.current * 2)
-        return self.current * (0.5 + self.rng.random() / 2)
-
-    def reset(self) -> None:
-        self.current = 0.0
-
-
-@dataclass
 class ConfigMapSource:
     namespace: str
     name: str
@@ -79,97 +57,35 @@ class ConfigMapSource:
     on_api_state: Callable[[bool], None] | None = None
     on_rejected: Callable[[str], None] | None = None
     backoff: Backoff = field(default_factory=Backoff)
-    _resource_version: str | None = None
 
     @property
     def describe(self) -> str:
         return f"configmap {self.namespace}/{self.name}"
 
     async def run(self, session: aiohttp.ClientSession) -> None:
-        """Forever: list, then watch from the listed version; relist when the version is
-        too old (410 Gone); back off when the API server is unreachable."""
-        while True:
-            try:
-                access = await asyncio.to_thread(load_access, self.kubeconfig)
-                await self._list(session, access)
-                self._api_up(True)
-                self.backoff.reset()
-                while True:
-                    await self._watch(session, access)
-            except asyncio.CancelledError:
-                raise
-            except _Gone:
-                self._resource_version = None
-                continue
-            except Exception as error:
-                self._api_up(False)
-                delay = self.backoff.next_delay()
-                log.warning(
-                    "kubernetes api unavailable source=%s error=%s retry_in=%.2fs",
-                    self.describe,
-                    describe_error(error),
-                    delay,
-                )
-                await asyncio.sleep(delay)
+        """Forever: list the ConfigMap, then watch it (kube_api.ListWatch)."""
+        watch = ListWatch(
+            path=f"/api/v1/namespaces/{self.namespace}/configmaps",
+            selector={"fieldSelector": f"metadata.name={self.name}"},
+            describe=self.describe,
+            kubeconfig=self.kubeconfig,
+            on_listed=self._listed,
+            on_event=self._event,
+            on_api_state=self._api_up,
+            log=log,
+            backoff=self.backoff,
+        )
+        await watch.run(session)
 
-    def _url(self, access: KubeAccess) -> str:
-        return f"{access.base_url}/api/v1/namespaces/{self.namespace}/configmaps"
-
-    async def _list(self, session: aiohttp.ClientSession, access: KubeAccess) -> None:
-        async with session.get(
-            self._url(access),
-            params={"fieldSelector": f"metadata.name={self.name}"},
-            headers=access.headers,
-            ssl=access.ssl_context,
-            timeout=aiohttp.ClientTimeout(total=15),
-        ) as response:
-            if response.status != 200:
-                raise KubeApiError.from_body(response.status, await response.text())
-            body = await response.json()
-        self._resource_version = body["metadata"]["resourceVersion"]
-        for item in body.get("items") or ():
+    async def _listed(self, items: list[Object]) -> None:
+        for item in items:
             await self._apply(item)
 
-    async def _watch(self, session: aiohttp.ClientSession, access: KubeAccess) -> None:
-        params = {
-            "fieldSelector": f"metadata.name={self.name}",
-            "watch": "1",
-            "allowWatchBookmarks": "true",
-            "timeoutSeconds": str(WATCH_SECONDS),
-        }
-        if self._resource_version:
-            params["resourceVersion"] = self._resource_version
-        async with session.get(
-            self._url(access),
-            params=params,
-            headers=access.headers,
-            ssl=access.ssl_context,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=SILENCE_SECONDS),
-        ) as response:
-            if response.status == 410:
-                raise _Gone()
-            if response.status != 200:
-                raise KubeApiError.from_body(response.status, await response.text())
-            async for line in response.content:
-                if line.strip():
-                    await self._event(json.loads(line))
-
-    async def _event(self, event: dict[str, Any]) -> None:
-        kind = event.get("type")
-        obj = event.get("object") or {}
-        if kind == "ERROR":
-            if obj.get("code") == 410:
-                raise _Gone()
-            raise KubeApiError(
-                int(obj.get("code") or 500), str(obj.get("reason") or ""), str(obj.get("message"))
-            )
-        version = (obj.get("metadata") or {}).get("resourceVersion")
-        if version:
-            self._resource_version = version
-        if kind in ("ADDED", "MODIFIED"):
-            await self._apply(obj)
-        elif kind == "DELETED":
+    async def _event(self, kind: str, obj: Object) -> None:
+        if kind == "DELETED":
             log.warning("config source deleted source=%s keeping=last-good", self.describe)
+        else:
+            await self._apply(obj)
 
     async def _apply(self, configmap: dict[str, Any]) -> None:
         try:
@@ -185,7 +101,3 @@ class ConfigMapSource:
     def _api_up(self, up: bool) -> None:
         if self.on_api_state is not None:
             self.on_api_state(up)
-
-
-class _Gone(Exception):
-    """The watched resource version is too old: list again."""

@@ -4,7 +4,8 @@ Routing metadata only: roles, providers, models, machines, reasons, numbers. Nev
 prompt, a completion or a credential. `GET /v1/rolegate/decisions` serves the recent
 decisions (filter with `?role=` and `?request_id=`); `GET /v1/rolegate/state` serves every
 machine's operational and semantic score (with n and confidence), belief, the breakers and
-hard exclusions, the outcome channel's counters and the configuration hash. Both, and
+hard exclusions, the breakers other pods of the fleet hold open (`fleet_trips`), the
+outcome channel's counters and the configuration hash. Both, and
 `POST /v1/feedback` (an evaluator's judgment), answer only an administrator: a caller
 presenting the proxy's admin token (`--admin-token-file`), or one an AccessGrant with
 `admin: true` is for.
@@ -171,6 +172,19 @@ async def state(request: web.Request) -> web.Response:
         }
         for s in dispatcher.breakers.snapshot(now, include_closed=False)
     ]
+    # Keys another pod of the fleet holds open: kept out here too, probed there.
+    fleet_trips = [
+        {
+            "provider": trip.key.provider,
+            "model": trip.key.model,
+            "machine": trip.key.machine,
+            "scope": trip.key.scope.value,
+            "reason": trip.reason.value,
+            "pod": trip.pod,
+            "seconds_until": max(0.0, trip.until - now),
+        }
+        for trip in dispatcher.breakers.peer_trips(now)
+    ]
     scores = _scores(proxy.config, dispatcher.scores)
     channel = proxy.outcomes
     return web.json_response(
@@ -179,6 +193,7 @@ async def state(request: web.Request) -> web.Response:
             "scores": scores,
             "beliefs": beliefs,
             "breakers": breakers,
+            "fleet_trips": fleet_trips,
             "outcomes": {
                 "emitted": channel.emitted,
                 "dropped": channel.dropped,

@@ -1,7 +1,10 @@
-"""Reaching the Kubernetes API from the proxy: credentials from a kubeconfig or the pod.
+"""Reaching the Kubernetes API from the proxy: credentials from a kubeconfig or the pod,
+a collection listed then watched (`ListWatch`), one object read (`get`), a server-side
+apply (`apply`), a delete guarded by a resourceVersion (`delete`), and the backoff
+between attempts.
 
-The proxy talks to the API server with its own aiohttp session (it needs one watch, not a
-client library's thread pool). Credentials are loaded by the official `kubernetes`
+The proxy talks to the API server with its own aiohttp session (it needs a few watches,
+not a client library's thread pool). Credentials are loaded by the official `kubernetes`
 package's loaders, re-read on every (re)connect so rotated service-account tokens and
 refreshed kubeconfig credentials are picked up. Loading reads files, so callers run it
 in a worker thread, never on the request path.
@@ -14,17 +17,26 @@ an object's repr (aiohttp's connection errors print their SSL context as
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
+import logging
 import os
+import random
 import re
 import socket
 import ssl
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+# The API server ends a watch after this long; it is then resumed from the last version.
+WATCH_SECONDS = 60
+# A watch silent for longer than this (no event, no bookmark) is presumed dead.
+SILENCE_SECONDS = WATCH_SECONDS + 15
 
 
 @dataclass(frozen=True)
@@ -128,3 +140,199 @@ def _os_reason(error: BaseException) -> str:
     if isinstance(error, OSError) and error.strerror:
         return str(error.strerror)
     return str(error)
+
+
+@dataclass
+class Backoff:
+    """Capped, jittered exponential delays between attempts at an unreachable API server."""
+
+    first: float = 0.25
+    cap: float = 5.0
+    current: float = 0.0
+    rng: random.Random = field(default_factory=random.Random)
+
+    def next_delay(self) -> float:
+        self.current = self.first if self.current == 0 else min(self.cap, self.current * 2)
+        return self.current * (0.5 + self.rng.random() / 2)
+
+    def reset(self) -> None:
+        self.current = 0.0
+
+
+Object = dict[str, Any]
+
+
+@dataclass
+class ListWatch:
+    """One collection of the API (`path`, narrowed by `selector`: a field or label
+    selector), listed and then watched from the listed version, forever: relisted when
+    the version is too old (410 Gone), retried with `backoff` while the API server is
+    unreachable, a silent watch bounded by its own timeouts.
+
+    `on_listed` receives every object of each (re)list, the whole collection as it stands
+    (an object missing from it was deleted meanwhile); `on_event` each watch event after
+    (`ADDED`, `MODIFIED` or `DELETED`, and the object)."""
+
+    path: str
+    selector: dict[str, str]
+    describe: str
+    kubeconfig: Path | None
+    on_listed: Callable[[list[Object]], Awaitable[None]]
+    on_event: Callable[[str, Object], Awaitable[None]]
+    on_api_state: Callable[[bool], None] | None = None
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("rolegate.proxy"))
+    backoff: Backoff = field(default_factory=Backoff)
+    _resource_version: str | None = None
+
+    async def run(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            try:
+                access = await asyncio.to_thread(load_access, self.kubeconfig)
+                await self._list(session, access)
+                self._api_up(True)
+                self.backoff.reset()
+                while True:
+                    await self._watch(session, access)
+            except asyncio.CancelledError:
+                raise
+            except _Gone:
+                self._resource_version = None
+                continue
+            except Exception as error:
+                self._api_up(False)
+                delay = self.backoff.next_delay()
+                self.log.warning(
+                    "kubernetes api unavailable source=%s error=%s retry_in=%.2fs",
+                    self.describe,
+                    describe_error(error),
+                    delay,
+                )
+                await asyncio.sleep(delay)
+
+    async def _list(self, session: aiohttp.ClientSession, access: KubeAccess) -> None:
+        async with session.get(
+            access.base_url + self.path,
+            params=self.selector,
+            headers=access.headers,
+            ssl=access.ssl_context,
+            timeout=aiohttp.ClientTimeout(total=15),
+        ) as response:
+            if response.status != 200:
+                raise KubeApiError.from_body(response.status, await response.text())
+            body = await response.json()
+        self._resource_version = body["metadata"]["resourceVersion"]
+        await self.on_listed(list(body.get("items") or ()))
+
+    async def _watch(self, session: aiohttp.ClientSession, access: KubeAccess) -> None:
+        params = {
+            **self.selector,
+            "watch": "1",
+            "allowWatchBookmarks": "true",
+            "timeoutSeconds": str(WATCH_SECONDS),
+        }
+        if self._resource_version:
+            params["resourceVersion"] = self._resource_version
+        async with session.get(
+            access.base_url + self.path,
+            params=params,
+            headers=access.headers,
+            ssl=access.ssl_context,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=SILENCE_SECONDS),
+        ) as response:
+            if response.status == 410:
+                raise _Gone()
+            if response.status != 200:
+                raise KubeApiError.from_body(response.status, await response.text())
+            async for line in response.content:
+                if line.strip():
+                    await self._event(json.loads(line))
+
+    async def _event(self, event: Object) -> None:
+        kind = event.get("type")
+        obj = event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise _Gone()
+            raise KubeApiError(
+                int(obj.get("code") or 500), str(obj.get("reason") or ""), str(obj.get("message"))
+            )
+        version = (obj.get("metadata") or {}).get("resourceVersion")
+        if version:
+            self._resource_version = version
+        if kind in ("ADDED", "MODIFIED", "DELETED"):
+            await self.on_event(kind, obj)
+
+    def _api_up(self, up: bool) -> None:
+        if self.on_api_state is not None:
+            self.on_api_state(up)
+
+
+class _Gone(Exception):
+    """The watched resource version is too old: list again."""
+
+
+async def get(session: aiohttp.ClientSession, access: KubeAccess, path: str) -> Object | None:
+    """The object at `path`, or None when there is none (404); `KubeApiError` for any other
+    refusal."""
+    async with session.get(
+        access.base_url + path,
+        headers=access.headers,
+        ssl=access.ssl_context,
+        timeout=aiohttp.ClientTimeout(total=10),
+    ) as response:
+        if response.status == 404:
+            return None
+        if response.status != 200:
+            raise KubeApiError.from_body(response.status, await response.text())
+        found: Object = await response.json()
+        return found
+
+
+async def apply(
+    session: aiohttp.ClientSession,
+    access: KubeAccess,
+    path: str,
+    body: Object,
+    field_manager: str,
+) -> bool:
+    """Server-side apply `body` at `path` as `field_manager`, taking over any field another
+    manager held (`force`): False when the API server answers 404 (the object's parent, its
+    namespace or its kind is not there); `KubeApiError` for any other refusal."""
+    async with session.patch(
+        access.base_url + path,
+        params={"fieldManager": field_manager, "force": "true"},
+        data=json.dumps(body),
+        headers={**access.headers, "Content-Type": "application/apply-patch+yaml"},
+        ssl=access.ssl_context,
+        timeout=aiohttp.ClientTimeout(total=10),
+    ) as response:
+        if response.status == 404:
+            return False
+        if response.status >= 400:
+            raise KubeApiError.from_body(response.status, await response.text())
+        return True
+
+
+async def delete(
+    session: aiohttp.ClientSession, access: KubeAccess, path: str, resource_version: str
+) -> bool:
+    """Delete the object at `path` only if it is still at `resource_version` (a newer
+    write keeps it): False when it is gone or was written since; `KubeApiError` for any
+    other refusal."""
+    body = {
+        "apiVersion": "v1",
+        "kind": "DeleteOptions",
+        "preconditions": {"resourceVersion": resource_version},
+    }
+    async with session.delete(
+        access.base_url + path,
+        data=json.dumps(body),
+        headers={**access.headers, "Content-Type": "application/json"},
+        ssl=access.ssl_context,
+        timeout=aiohttp.ClientTimeout(total=10),
+    ) as response:
+        if response.status in (404, 409):
+            return False
+        if response.status >= 400:
+            raise KubeApiError.from_body(response.status, await response.text())
+        return True

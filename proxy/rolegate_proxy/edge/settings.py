@@ -47,6 +47,9 @@ class ProxySettings:
     # restarts, written every `state_save_seconds` and at shutdown; None: not kept.
     state_file: Path | None = None
     state_save_seconds: float = 30.0
+    # In a cluster, how often the pod's memory is written to its ProxyMemory, shared with
+    # the other pods (edge/fleet_memory.py); and once more at shutdown.
+    memory_publish_seconds: float = 30.0
     # The outcome channel: its ring buffer, how long the drainer lets records gather
     # before handing a batch to the consumers (0: on the loop's next turn), and the
     # JSON-lines export target (a path, `-` for stdout, None: off).

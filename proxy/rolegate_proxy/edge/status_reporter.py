@@ -52,8 +52,7 @@ from rolegate_policy.status import (
 from ..core.exclusions import (
     BreakerView,
 )
-from .configmap_source import Backoff
-from .kube_api import KubeAccess, KubeApiError, describe_error, load_access
+from .kube_api import Backoff, KubeAccess, apply, describe_error, load_access
 
 log = logging.getLogger("rolegate.proxy.status")
 
@@ -302,19 +301,6 @@ class BreakerReporter:
             "metadata": {"name": name, "namespace": namespace},
             "status": {"reports": reports},
         }
-        url = (
-            f"{access.base_url}/apis/{API_VERSION}/namespaces/{namespace}"
-            f"/providerpolicies/{name}/status"
-        )
-        async with session.patch(
-            url,
-            params={"fieldManager": FIELD_MANAGER_PREFIX + self.pod, "force": "true"},
-            data=json.dumps(body),
-            headers={**access.headers, "Content-Type": "application/apply-patch+yaml"},
-            ssl=access.ssl_context,
-            timeout=aiohttp.ClientTimeout(total=10),
-        ) as response:
-            if response.status == 404:
-                return  # the ProviderPolicy is gone; nothing to report on
-            if response.status >= 400:
-                raise KubeApiError.from_body(response.status, await response.text())
+        path = f"/apis/{API_VERSION}/namespaces/{namespace}/providerpolicies/{name}/status"
+        # False (404): the ProviderPolicy is gone; nothing to report on.
+        await apply(session, access, path, body, FIELD_MANAGER_PREFIX + self.pod)

@@ -31,6 +31,7 @@ from typing import Any, Final, TypeGuard
 
 import orjson
 
+from rolegate_policy.model import MAX_MEMORY_MACHINES
 from rolegate_policy.signatures import Family
 from rolegate_policy.status import TripReason
 
@@ -41,8 +42,8 @@ from ..core.fleet import PodMemory
 from ..core.score import ScoreEvidence
 
 FORMAT: Final = 1
-# Machines a memory may hold: the ledger's own bound.
-MAX_MACHINES: Final = 4096
+# Machines a memory may hold: the ledger's own bound, and the ProxyMemory kind's.
+MAX_MACHINES: Final = MAX_MEMORY_MACHINES
 MAX_NAME_CHARS: Final = 253
 # Fault rows a memory may hold, and marks a row may hold.
 MAX_FAULTS: Final = 4096
@@ -83,6 +84,12 @@ def encode(memory: PodMemory) -> bytes:
             ],
         }
     )
+
+
+def machine_count(memory: PodMemory) -> int:
+    """The machines `encode` writes a row for (those with evidence, a score or both)."""
+    keys = {item.key for item in memory.machines} | {key for key, _ in memory.scores}
+    return min(len(keys), MAX_MACHINES)
 
 
 def _evidence(evidence: Evidence | None) -> list[float] | None:
