@@ -17,7 +17,7 @@ import contextlib
 import json
 import subprocess
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
@@ -33,7 +33,7 @@ from rolegate_proxy.edge.kube_api import delete, load_access
 
 from ..conftest import CRD_DIR, fresh_control_plane
 from ..proxy.test_state_file import AGENT, MODEL, SHEETS, _expected_ttft, _first_asked, _sim
-from ..support import SimFactory, machine_policy, open_access, role_table
+from ..support import SimFactory, machine_policy, open_access, provider_policy, role_table
 from ..waiting import eventually
 from .processes import ready, start_cli, stop
 
@@ -97,10 +97,14 @@ async def running_fleet(
     logs: Path,
     pods: Sequence[str] = PODS,
     role: dict[str, Any] = AGENT,
+    scenario: dict[str, Any] | None = None,
+    policy: Callable[[str], dict[str, Any]] | None = None,
 ) -> AsyncIterator[Fleet]:
-    """The simulator, the policy, the operator and one proxy process per pod, all ready."""
-    sim_url = await _sim(sim_server)
-    for manifest in (machine_policy(sim_url, MODEL, SHEETS), role_table(role), open_access()):
+    """The simulator, the policy, the operator and one proxy process per pod, all ready
+    (by default the slow-m1 scenario and its aggregator)."""
+    sim_url = (await sim_server(scenario)).url if scenario else await _sim(sim_server)
+    provider = policy(sim_url) if policy else machine_policy(sim_url, MODEL, SHEETS)
+    for manifest in (provider, role_table(role), open_access()):
         manifest["metadata"]["namespace"] = namespace
         await asyncio.to_thread(plane.kubectl, "apply", "-f", "-", input=json.dumps(manifest))
     fleet = Fleet(plane, namespace, logs, sim_url=sim_url)
@@ -393,3 +397,53 @@ async def test_a_trip_on_one_pod_keeps_the_key_out_on_every_pod_until_it_closes(
 
             await eventually(c_clear, what="proxy-c taking m1 back", within=10)
             assert time.monotonic() - closed < 5.0
+
+
+# Only the rate arm: never a count burst, a minimum sample of 30 over the last 40 answers.
+RATE_ONLY = {
+    "novelSignatureCount": 10_000,
+    "familiarSignatureCount": 10_000,
+    "rateMinSamples": 30,
+    "rateWindow": 40,
+    "rateThreshold": 0.25,
+}
+
+
+@pytest.mark.timeout(180)
+async def test_a_model_35_percent_empty_through_three_pods_trips_within_the_fleet_s_sample(
+    crds: ControlPlane, namespace: str, sim_server: SimFactory, tmp_path: Path
+) -> None:
+    """Requests spread evenly over three pods, the model answering 35 % empty: counted per
+    pod, the first trip would need 30 answers on one pod (about 88 in all); counted across
+    the fleet it comes near 30 in all (plus what a second of publishing lag lets through)."""
+    scenario = {"seed": 7, "models": [{"name": MODEL, "machines": [
+        {"name": "m1", "ttftSeconds": 0, "tokensPerSecond": 0,
+         "faults": [{"kind": "empty", "probability": 0.35}]}]}]}  # fmt: skip
+
+    def direct(url: str) -> dict[str, Any]:
+        return provider_policy(
+            "router", f"{url}/v1", {MODEL: ["m1"]}, dialect="OpenAI", breaker=RATE_ONLY
+        )
+
+    role = {**AGENT, "ruling": "Only"}
+    async with running_fleet(
+        crds, namespace, sim_server, tmp_path, role=role, scenario=scenario, policy=direct
+    ) as fleet:
+        urls = [fleet.proxies[pod] for pod in PODS]
+        body = {"model": "agent", "messages": [{"role": "user", "content": "hi"}]}
+        answered = 0
+        async with httpx.AsyncClient(timeout=30) as client:
+
+            async def tripped_anywhere() -> bool:
+                states = await asyncio.gather(*(state_of(url) for url in urls))
+                return any(state["breakers"] for state in states)
+
+            while not await tripped_anywhere():
+                # Round robin, paced like steady traffic (about 20 answers a second).
+                response = await client.post(f"{urls[answered % 3]}/v1/chat/completions", json=body)
+                assert response.status_code in (200, 502), response.text
+                answered += 1
+                assert answered < 88, "no trip before a single pod could have tripped alone"
+                await asyncio.sleep(0.05)
+        print(f"fleet-wide trip after {answered} answers across three pods")
+        assert answered <= 30 + 20
