@@ -201,6 +201,22 @@ def access_grant(
     }
 
 
+def proxy_memory(
+    pod: str, memory: str, written_at: str = "2026-01-01T00:00:00Z", /, **spec: Any
+) -> dict[str, Any]:
+    """A ProxyMemory object as a proxy pod writes it (`memory`: the pod-memory JSON);
+    `spec` overrides any field of its spec by its API name."""
+    return {
+        "apiVersion": "rolegate.dev/v1alpha1",
+        "kind": "ProxyMemory",
+        "metadata": {
+            "name": f"memory-{pod}",
+            "labels": {"app.kubernetes.io/component": "proxy-memory"},
+        },
+        "spec": {"pod": pod, "writtenAt": written_at, "machines": 1, "memory": memory, **spec},
+    }
+
+
 def open_access() -> dict[str, Any]:
     """What a local setup declares to let anyone call every role and read the explanations:
     an AccessGrant with an explicit anonymous subject and `admin: true` (without one, a

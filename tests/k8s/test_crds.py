@@ -24,7 +24,7 @@ from rolegate_policy.manifests import manifest_from_object
 from rolegate_policy.model import ProviderPolicySpec, RoleTableSpec, parse_spec
 from rolegate_policy.verdicts import AcceptedReason, ResourceVerdict
 
-from ..support import kubectl_table
+from ..support import kubectl_table, proxy_memory
 
 EXAMPLES = REPO_ROOT / "examples" / "manifests"
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -572,23 +572,11 @@ def test_access_grants_show_roles_admin_and_in_wide_output_their_limits(
 
 
 def _proxy_memory(**spec: Any) -> dict[str, Any]:
-    pod = "rolegate-proxy-7d9f-abcde"
     memory = (
         '{"format":1,"pod":"rolegate-proxy-7d9f-abcde","writtenAt":1767225600.0,"machines":'
         '[["sim-router","qwen/qwen3-coder","deepinfra",42,[8.1,-3.2,1.9],null,[42,0.97,25.3]]]}'
     )
-    return {
-        "apiVersion": "rolegate.dev/v1alpha1",
-        "kind": "ProxyMemory",
-        "metadata": {
-            "name": f"memory-{pod}",
-            "labels": {"app.kubernetes.io/component": "proxy-memory"},
-        },
-        "spec": {
-            "pod": pod, "writtenAt": "2026-01-01T00:00:00Z", "machines": 1, "memory": memory,
-            **spec,
-        },
-    }  # fmt: skip
+    return proxy_memory("rolegate-proxy-7d9f-abcde", memory, **spec)
 
 
 def test_proxy_memories_show_their_pod_machines_and_when_they_were_written(

@@ -33,7 +33,14 @@ from rolegate_proxy.edge.kube_api import delete, load_access
 
 from ..conftest import CRD_DIR, fresh_control_plane
 from ..proxy.test_state_file import AGENT, MODEL, SHEETS, _expected_ttft, _first_asked, _sim
-from ..support import SimFactory, machine_policy, open_access, provider_policy, role_table
+from ..support import (
+    SimFactory,
+    machine_policy,
+    open_access,
+    provider_policy,
+    proxy_memory,
+    role_table,
+)
 from ..waiting import eventually
 from .processes import ready, start_cli, stop
 
@@ -241,20 +248,7 @@ async def test_an_api_server_outage_only_delays_the_memory(
 
 
 def _memory_object(pod: str, memory: str, written: datetime) -> dict[str, Any]:
-    return {
-        "apiVersion": "rolegate.dev/v1alpha1",
-        "kind": "ProxyMemory",
-        "metadata": {
-            "name": f"memory-{pod}",
-            "labels": {"app.kubernetes.io/component": "proxy-memory"},
-        },
-        "spec": {
-            "pod": pod,
-            "writtenAt": written.strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "machines": 1,
-            "memory": memory,
-        },
-    }
+    return proxy_memory(pod, memory, written.strftime("%Y-%m-%dT%H:%M:%SZ"))
 
 
 GARBAGE = "sk-planted-not-a-memory {{{"
