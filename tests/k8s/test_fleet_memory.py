@@ -128,6 +128,11 @@ async def running_fleet(
         await stop(operator)
 
 
+async def metrics_of(url: str) -> str:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return (await client.get(f"{url}/metrics")).text
+
+
 async def teach(url: str) -> list[str]:
     """Send requests to one pod until it has learned m1 is slow: m2 is asked first."""
     asked = [await _first_asked(url)]
@@ -184,6 +189,10 @@ async def test_what_one_pod_learns_the_others_believe_and_route_by(
         # C's belief of m1 comes from A's evidence once, not from A's and again from B's.
         rows = json.loads(memories["memory-proxy-b"]["spec"]["memory"])["machines"]
         assert "m1" not in {row[2] for row in rows}, rows
+        # Its metrics: the writes it made and the two peers it heard.
+        page = await metrics_of(b)
+        assert "rolegate_memory_peers 2.0" in page
+        assert 'rolegate_memory_writes_total{result="ok"}' in page
 
 
 @pytest.mark.timeout(180)
@@ -234,6 +243,8 @@ async def test_an_api_server_outage_only_delays_the_memory(
                             assert response.status_code == 200, response.text
                 for pod in PODS:
                     assert "memory not published object=" in fleet.log(pod), pod
+                    page = await metrics_of(fleet.proxies[pod])
+                    assert 'rolegate_memory_writes_total{result="failed"}' in page
             finally:
                 await asyncio.to_thread(plane.start_apiserver)
             back = datetime.now(UTC)

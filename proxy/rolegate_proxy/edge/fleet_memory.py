@@ -290,12 +290,14 @@ class FleetMemory:
             except asyncio.CancelledError:
                 raise
             except Exception as error:  # the API server may be away: retry later
+                self.dispatcher.metrics.memory_writes.labels("failed").inc()
                 delay = min(self.backoff.next_delay(), self.publish_seconds)
                 log.warning(
                     "memory not published object=%s error=%s retry_in=%.2fs",
                     self._where(self.name), describe_error(error), delay,
                 )  # fmt: skip
             else:
+                self.dispatcher.metrics.memory_writes.labels("ok").inc()
                 self.backoff.reset()
                 delay = self.publish_seconds
 
@@ -362,6 +364,7 @@ class FleetMemory:
             breakers=dispatcher.breakers,
             trip_expiry=self.trip_expiry,
         )
+        dispatcher.metrics.memory_peers.set(sum(1 for pod in newest if pod != self.pod))
         return len(newest)
 
     async def _hear_forever(self, session: aiohttp.ClientSession) -> None:

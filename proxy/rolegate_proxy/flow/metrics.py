@@ -219,6 +219,18 @@ class ProxyMetrics:
             "1 while the Kubernetes API answers the configuration watch, else 0.",
             registry=self.registry,
         )
+        # The fleet's memory (edge/fleet_memory.py), in a cluster.
+        self.memory_writes = Counter(
+            "rolegate_memory_writes",
+            "Writes of this pod's ProxyMemory, by result (ok, failed: retried with backoff).",
+            ["result"],
+            registry=self.registry,
+        )
+        self.memory_peers = Gauge(
+            "rolegate_memory_peers",
+            "Other proxy pods whose memory this pod heard last (0 standalone).",
+            registry=self.registry,
+        )
         self.verdicts = Counter(
             "rolegate_verdicts",
             "Structural verdicts on answers that were not ok, by provider, model, verdict, "
