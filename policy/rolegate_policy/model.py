@@ -77,6 +77,13 @@ ModelName = Annotated[
 ]
 
 
+# What a large aggregator lists: roles in one RoleTable (each gets an effective ruling in
+# its status) and machines serving one model. The CRDs' CEL rules stay within the API
+# server's cost budget at these bounds (tests/k8s/test_crds.py).
+MAX_ROLES_PER_TABLE: Final = 256
+MAX_MACHINES_PER_MODEL: Final = 512
+
+
 class SpecModel(BaseModel):
     """Base of every spec model: camelCase on the wire, frozen, unknown fields refused."""
 
@@ -353,7 +360,7 @@ class RoleTableSpec(SpecModel):
     )
     roles: list[RoleSpec] = Field(
         min_length=1,
-        max_length=64,
+        max_length=MAX_ROLES_PER_TABLE,
         json_schema_extra={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["name"],
@@ -458,7 +465,7 @@ class ProviderModelSpec(SpecModel):
     )
     machines: list[MachineSpec] = Field(
         default_factory=list,
-        max_length=64,
+        max_length=MAX_MACHINES_PER_MODEL,
         json_schema_extra={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["name"],

@@ -22,7 +22,12 @@ from rolegate_policy.enums import (
     Delivery,
     Ruling,
 )
-from rolegate_policy.model import DNS_SUBDOMAIN_PATTERN, ROLE_NAME_PATTERN, ModelName
+from rolegate_policy.model import (
+    DNS_SUBDOMAIN_PATTERN,
+    MAX_ROLES_PER_TABLE,
+    ROLE_NAME_PATTERN,
+    ModelName,
+)
 
 # The condition types.
 ACCEPTED: Final = "Accepted"
@@ -178,7 +183,7 @@ class RoleTableStatus(StatusModel):
     )
     effective_rulings: list[EffectiveRulingStatus] = Field(
         default_factory=list,
-        max_length=64,
+        max_length=MAX_ROLES_PER_TABLE,
         json_schema_extra={
             "x-kubernetes-list-type": "map",
             "x-kubernetes-list-map-keys": ["role"],

@@ -24,7 +24,7 @@ from rolegate_policy.manifests import manifest_from_object
 from rolegate_policy.model import ProviderPolicySpec, RoleTableSpec, parse_spec
 from rolegate_policy.verdicts import AcceptedReason, ResourceVerdict
 
-from ..support import kubectl_table, proxy_memory
+from ..support import compile_objects, kubectl_table, proxy_memory
 
 EXAMPLES = REPO_ROOT / "examples" / "manifests"
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -767,3 +767,46 @@ def test_without_strict_validation_an_unknown_field_is_pruned_but_kept_by_kubect
         "kubectl.kubernetes.io/last-applied-configuration"
     ]
     assert planted in annotation
+
+
+def test_the_largest_tables_an_aggregator_needs_are_accepted_and_one_more_is_not(
+    crds: ControlPlane, namespace: str
+) -> None:
+    """256 roles in one RoleTable and 512 machines on one model: within the CRDs' bounds and
+    their CEL rules' cost budget on the real API server (a rule's cost grows with the list
+    bounds, and the API server refuses a CRD or an object whose rules cost too much); and
+    compile takes them too. One more of either is refused naming the field."""
+    models = [f"vendor/model-{i:03d}" for i in range(4)]
+    roles = [
+        {"name": f"role-{i:03d}", "models": models, "patienceSeconds": 30,
+         "visibility": "Watched", "ruling": "Order"}
+        for i in range(256)
+    ]  # fmt: skip
+    table = {**_role_table(), "metadata": {"name": "large"}, "spec": {"roles": roles}}
+    machines = [{"name": f"sub-{i:03d}", "ttftSeconds": 0.5, "tokensPerSecond": 50}
+                for i in range(512)]  # fmt: skip
+    policy = _provider(models=[{"name": models[0], "machines": machines}])
+    policy["metadata"] = {"name": "large"}
+    apply(crds, namespace, table, policy)
+    config = compile_objects([table, policy])  # every resource accepted
+    assert (len(config.roles), len(config.providers[0].models[0].machines)) == (256, 512)
+    # The operator's status for it: one effective ruling per role.
+    rulings = [
+        {"role": r["name"], "declared": "Order", "effective": "Order", "reason": "declared",
+         "declaredDelivery": "Auto", "delivery": "Live"}
+        for r in roles
+    ]  # fmt: skip
+    patch_status(crds, namespace, "roletable/large", {"effectiveRulings": rulings})
+    stored = get_json(crds, namespace, "roletable", "large")
+    assert len(stored["status"]["effectiveRulings"]) == 256
+    too_many_roles = _edit(table, lambda s: s["roles"].append({**roles[0], "name": "one-more"}))
+    refused = apply(crds, namespace, too_many_roles, check=False)
+    assert refused.returncode != 0
+    assert "spec.roles" in refused.stderr
+    assert "must have at most 256 items" in refused.stderr
+    one_more = {"name": "sub-512"}
+    too_many_machines = _edit(policy, lambda s: s["models"][0]["machines"].append(one_more))
+    refused = apply(crds, namespace, too_many_machines, check=False)
+    assert refused.returncode != 0
+    assert "spec.models[0].machines" in refused.stderr
+    assert "must have at most 512 items" in refused.stderr

@@ -81,12 +81,12 @@ def test_check_mode_reports_a_stale_directory(
     assert main([str(tmp_path)]) == 0
     assert main(["--check", str(tmp_path)]) == 0
     stale = tmp_path / "rolegate.dev_roletables.yaml"
-    stale.write_text(stale.read_text().replace("maxItems: 64", "maxItems: 65", 1))
+    stale.write_text(stale.read_text().replace("maxItems: 256", "maxItems: 257", 1))
     capsys.readouterr()
     assert main(["--check", str(tmp_path)]) == 1
     out, err = capsys.readouterr()
-    assert "-                maxItems: 65" in out
-    assert "+                maxItems: 64" in out
+    assert "-                maxItems: 257" in out
+    assert "+                maxItems: 256" in out
     assert "make crds" in err
     (tmp_path / "rolegate.dev_providerpolicies.yaml").unlink()
     assert main(["--check", str(tmp_path)]) == 1
@@ -222,7 +222,7 @@ def test_descriptions_read_as_paragraphs() -> None:
 def test_descriptions_spell_out_ranges_and_defaults() -> None:
     roles = openapi(BY_KIND["RoleTable"])["properties"]["spec"]["properties"]["roles"]
     role = roles["items"]["properties"]
-    assert roles["description"].endswith("Must have at least 1 item and at most 64 items.")
+    assert roles["description"].endswith("Must have at least 1 item and at most 256 items.")
     assert role["patienceSeconds"]["description"].endswith(
         "Must be greater than 0 and at most 3600."
     )

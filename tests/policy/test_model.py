@@ -140,8 +140,8 @@ def test_role_names_are_unique_within_a_table() -> None:
 
 
 def test_roles_count_is_bounded() -> None:
-    assert table_errors(*[role(f"r{i}") for i in range(65)]) == {
-        "spec.roles": "must have at most 64 items (has 65)"
+    assert table_errors(*[role(f"r{i}") for i in range(257)]) == {
+        "spec.roles": "must have at most 256 items (has 257)"
     }
     assert errors_of("RoleTable", {"roles": []}) == {"spec.roles": "must have at least 1 item"}
 
