@@ -184,3 +184,28 @@ def test_a_fault_rate_spread_over_three_pods_trips_at_the_fleet_s_minimum_sample
     assert trip.trigger is Trigger.RATE
     assert "across the fleet" in trip.detail
     assert serve(alone, 9, 2.0) == []  # the same nine alone never reach the sample
+
+
+def test_two_pods_that_both_tripped_a_key_each_probe_it_and_recover() -> None:
+    """Each hears the other's trip; neither may keep the other from its own probe (they
+    would hold the key out forever), and once both probes succeed it is back on both."""
+    a, b = make(), make()
+    open_breaker(a, empty, 0.0)
+    open_breaker(b, empty, 0.0)
+    said_a = remember("a", ledger(*SHEET), Scoreboard(), 2.0, 1000.0, breakers=a)
+    said_b = remember("b", ledger(*SHEET), Scoreboard(), 2.0, 1000.0, breakers=b)
+    hear_fleet([said_b], "a", ledger(*SHEET), Scoreboard(), 2.0, 1000.0, breakers=a, trip_expiry=90)
+    hear_fleet([said_a], "b", ledger(*SHEET), Scoreboard(), 2.0, 1000.0, breakers=b, trip_expiry=90)
+    after_cooldown = 2.0 + 60.0
+    for pod in (a, b):
+        probe = pod.admit("p", "m", None, after_cooldown)
+        assert probe.allowed
+        assert probe.is_probe
+        pod.record(clean(), after_cooldown)
+    # A recovered: B's trip, heard before, still keeps the key out on A until B's next word.
+    assert a.exclusion("p", "m", None, 63.0) is not None
+    recovered_b = remember("b", ledger(*SHEET), Scoreboard(), 63.0, 1061.0, breakers=b)
+    hear_fleet(
+        [recovered_b], "a", ledger(*SHEET), Scoreboard(), 63.0, 1061.0, breakers=a, trip_expiry=90
+    )
+    assert a.exclusion("p", "m", None, 63.0) is None

@@ -836,6 +836,11 @@ class Breakers:
         trip = self._fleet.get(key)
         if trip is None or now >= trip.until:
             return None
+        own = self._entries.get(key)
+        if own is not None and own.open:
+            # This pod tripped the key itself: its own breaker, and its own probe, decide
+            # (two pods that both tripped it must not keep each other from probing).
+            return None
         return Exclusion(
             key,
             Cause.BREAKER,
