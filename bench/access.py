@@ -17,19 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
+from bench_cluster import Cluster, cluster
 from bench_report import publish, where_it_ran
 from overhead import REPLY, Samples, free_port, pct, wait_ready
-
-from rolegate_cli.controlplane import ControlPlane, installed_binaries
 
 MODEL = "bench/model"
 NAMESPACE = "bench"
@@ -150,38 +146,21 @@ def main() -> int:
         "--out", type=Path, default=Path(__file__).parent / "results" / "access.txt"
     )
     args = parser.parse_args()
-
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        plane = ControlPlane(bin_dir=installed_binaries(), root=root / "plane").start()
-        processes: list[subprocess.Popen[bytes]] = []
-        try:
-            rows = run(args, plane, root, processes)
-        finally:
-            for process in reversed(processes):
-                process.terminate()
-                process.wait(timeout=30)
-            plane.stop()
+    with cluster(NAMESPACE) as running:
+        rows = run(args, running)
     rows.append(f"rounds={args.rounds} requests/caller/round={args.requests}; " + where_it_ran())
     publish(rows, args.out)
     return 0
 
 
-def run(
-    args: argparse.Namespace,
-    plane: ControlPlane,
-    root: Path,
-    processes: list[subprocess.Popen[bytes]],
-) -> list[str]:
-    plane.kubectl("apply", "-f", str(Path(__file__).parents[1] / "deploy" / "crds"))
-    plane.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
-    plane.kubectl("create", "namespace", NAMESPACE)
+def run(args: argparse.Namespace, running: Cluster) -> list[str]:
+    plane, root = running.plane, running.root
     plane.kubectl("-n", NAMESPACE, "create", "serviceaccount", "caller")
     token = plane.kubectl(
         "-n", NAMESPACE, "create", "token", "caller", "--audience", "rolegate"
     ).stdout.strip()
     sim_port, proxy_port = free_port(), free_port()
-    plane.kubectl("apply", "-f", "-", input=manifests(sim_port))
+    running.apply(manifests(sim_port))
     secrets = root / "secrets"
     for name, key in (("caller", API_KEY), ("limited", LIMITED_KEY)):
         (secrets / name).mkdir(parents=True)
@@ -190,18 +169,16 @@ def run(
     scenario.write_text(json.dumps({"seed": 1, "models": [{"name": MODEL, "reply": REPLY,
         "machines": [{"name": "m1", "ttftSeconds": 0, "tokensPerSecond": 0}]}]},
         ensure_ascii=False), encoding="utf-8")  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "POD_NAME": "bench-proxy"}
-    cli = [sys.executable, "-m", "rolegate_cli.main"]
-    kube = ["--kubeconfig", str(plane.kubeconfig)]
-    commands = [
-        ["sim", "--scenario", str(scenario), "--port", str(sim_port)],
-        ["operator", "--namespace", NAMESPACE, "--no-leader-election", *kube],
+    running.start("sim", ["sim", "--scenario", str(scenario), "--port", str(sim_port)])
+    running.start(
+        "operator", ["operator", "--namespace", NAMESPACE, "--no-leader-election", *running.kube]
+    )
+    running.start(
+        "proxy",
         ["proxy", "--configmap", f"{NAMESPACE}/rolegate-config", "--port", str(proxy_port),
-         "--secrets-dir", str(secrets), *kube],
-    ]  # fmt: skip
-    for command in commands:
-        log = (root / f"{command[0]}.log").open("wb")
-        processes.append(subprocess.Popen([*cli, *command], env=env, stderr=log))
+         "--secrets-dir", str(secrets), *running.kube],
+        {"POD_NAME": "bench-proxy"},
+    )  # fmt: skip
     url = f"http://127.0.0.1:{proxy_port}"
     asyncio.run(wait_ready(f"http://127.0.0.1:{sim_port}/healthz"))
     asyncio.run(wait_ready(f"{url}/readyz", deadline_s=60))

@@ -17,20 +17,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from bench_cluster import Cluster, cluster
 from bench_report import publish, where_it_ran
 from overhead import free_port, pct, wait_ready
-
-from rolegate_cli.controlplane import ControlPlane, installed_binaries
 
 MODEL = "bench/model"
 NAMESPACE = "fleet"
@@ -130,17 +126,8 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fleet.txt")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        plane = ControlPlane(bin_dir=installed_binaries(), root=root / "plane").start()
-        processes: list[subprocess.Popen[bytes]] = []
-        try:
-            spread, cleared = run(args, plane, root, processes)
-        finally:
-            for process in reversed(processes):
-                process.terminate()
-                process.wait(timeout=30)
-            plane.stop()
+    with cluster(NAMESPACE) as running:
+        spread, cleared = run(args, running)
     rows = [
         f"{'from a trip on pod A':<38} {'p50':>7} {'p95':>7} {'max':>7}",
         "-" * 62,
@@ -163,36 +150,25 @@ def main() -> int:
     return 0
 
 
-def run(
-    args: argparse.Namespace,
-    plane: ControlPlane,
-    root: Path,
-    processes: list[subprocess.Popen[bytes]],
-) -> tuple[list[float], list[float]]:
-    plane.kubectl("apply", "-f", str(Path(__file__).parents[1] / "deploy" / "crds"))
-    plane.kubectl("wait", "--for=condition=Established", "crd", "--all", "--timeout=60s")
-    plane.kubectl("create", "namespace", NAMESPACE)
+def run(args: argparse.Namespace, running: Cluster) -> tuple[list[float], list[float]]:
     sim_port = free_port()
-    plane.kubectl("apply", "-f", "-", input=manifests(sim_port))
-    scenario = root / "scenario.json"
+    running.apply(manifests(sim_port))
+    scenario = running.root / "scenario.json"
     scenario.write_text(json.dumps({"seed": 1, "models": [{"name": MODEL, "machines": [
         {"name": "m1", "ttftSeconds": 0, "tokensPerSecond": 0},
         {"name": "m2", "ttftSeconds": 0, "tokensPerSecond": 0}]}]}))  # fmt: skip
-    cli = [sys.executable, "-m", "rolegate_cli.main"]
-    kube = ["--kubeconfig", str(plane.kubeconfig)]
-    commands: list[tuple[str, list[str], dict[str, str]]] = [
-        ("sim", ["sim", "--scenario", str(scenario), "--port", str(sim_port)], {}),
-        ("operator", ["operator", "--namespace", NAMESPACE, "--no-leader-election", *kube], {}),
-    ]
+    running.start("sim", ["sim", "--scenario", str(scenario), "--port", str(sim_port)])
+    running.start(
+        "operator", ["operator", "--namespace", NAMESPACE, "--no-leader-election", *running.kube]
+    )
     ports = {pod: free_port() for pod in PODS}
     for pod, port in ports.items():
-        command = ["proxy", "--configmap", f"{NAMESPACE}/rolegate-config", "--port", str(port),
-                   "--explore-share", "0", *kube]  # fmt: skip
-        commands.append((pod, command, {"POD_NAME": pod}))
-    for name, command, extra in commands:
-        log = (root / f"{name}.log").open("wb")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **extra}
-        processes.append(subprocess.Popen([*cli, *command], env=env, stderr=log, stdout=log))
+        running.start(
+            pod,
+            ["proxy", "--configmap", f"{NAMESPACE}/rolegate-config", "--port", str(port),
+             "--explore-share", "0", *running.kube],
+            {"POD_NAME": pod},
+        )  # fmt: skip
     sim = f"http://127.0.0.1:{sim_port}"
     urls = {pod: f"http://127.0.0.1:{port}" for pod, port in ports.items()}
     asyncio.run(wait_ready(f"{sim}/healthz"))
