@@ -10,11 +10,14 @@ takes its own back after a restart.
   writes only its own object, once per interval.
 - **Publishing.** Every `--memory-publish-seconds` the memory is taken on the event loop
   (the ledger is the loop's), encoded in a worker thread and server-side applied under
-  the pod's field manager (`rolegate-proxy/<pod>`); once more at shutdown, after the last
-  request, within a bounded time. An unreachable API server only delays it.
+  the pod's field manager (`rolegate-proxy/<pod>`); at once (`URGENT_COALESCE_SECONDS`
+  later) after a breaker transition, so the fleet hears of a trip or a recovery within a
+  second; once more at shutdown, after the last request, within a bounded time. An
+  unreachable API server only delays it.
 - **Hearing.** The pod lists and watches every ProxyMemory of its namespace and, after a
   change (coalesced: at most once a second), takes every peer's memory into its priors
-  with `core/fleet.hear_fleet` (weighted by age, its own skipped, nothing heard passed on).
+  with `core/fleet.hear_fleet` (weighted by age, its own skipped, nothing heard passed on),
+  and keeps out the keys a peer holds open for up to `trip_expiry` after its last word.
   An object that is not a memory is ignored with one warning naming it, never quoting it.
   A memory older than a day is ignored, and deleted by whichever pod sees it, with a
   resourceVersion precondition, so a fresh write is never deleted.
