@@ -149,12 +149,14 @@ async def test_an_untried_machine_that_really_is_worse_stays_at_the_exploration_
     being 0 here): over requests 50 to 200 its share of first attempts is within three
     standard deviations of 0.1 (binomial, 150 seeded requests: ±0.074), and it is still
     tried among the last 50 (observed, never shut out)."""
-    good_url = await _sim(sim_server, ttft=0.03, rate=400)
+    # The incumbent answers in 60 ms, well behind what the newcomer publishes (10 ms), so
+    # whatever the incumbent's record says of its speed, the newcomer is faster on paper.
+    good_url = await _sim(sim_server, ttft=0.06, rate=400)
     flaky_url = await _sim(
         sim_server, ttft=0.01, rate=400,
         faults=[{"kind": "serverError", "probability": 0.5, "status": 503}],
     )  # fmt: skip
-    incumbent = _provider("incumbent", good_url, ttft=0.03, rate=400)
+    incumbent = _provider("incumbent", good_url, ttft=0.06, rate=400)
     newcomer = _provider("newcomer", flaky_url, ttft=0.01, rate=400)
     agent = _agent(explorationShare=0.1)
     proxy = await proxy_server([incumbent, agent, CALLERS], admin_token=TOKEN, random_seed=7)
