@@ -17,6 +17,8 @@ from rolegate_policy.config import CompiledGrant, SecretRef
 
 # A grant's role list may say "every role" (for anonymous local use, and admin grants).
 EVERY_ROLE: Final = "*"
+# Subjects whose grants are remembered at once (ServiceAccounts of a large cluster).
+MAX_REMEMBERED: Final = 10_000
 
 
 class SubjectKind(StrEnum):
@@ -73,6 +75,7 @@ class Grants:
         self._by_namespace: dict[str, list[CompiledGrant]] = {}
         self._by_key: dict[str, list[CompiledGrant]] = {}
         self._anonymous: list[CompiledGrant] = []
+        self._of: dict[Subject, tuple[CompiledGrant, ...]] = {}
         for grant in grants:
             for account in grant.service_accounts:
                 self._by_account.setdefault(account, []).append(grant)
@@ -87,7 +90,17 @@ class Grants:
         )
 
     def of(self, subject: Subject) -> tuple[CompiledGrant, ...]:
-        """Every grant for `subject`, in name order."""
+        """Every grant for `subject`, in name order. Asked two or three times per request
+        (any role at all, this role, admin), so remembered per subject for the life of
+        these grants (bounded: forgotten wholesale past `MAX_REMEMBERED`)."""
+        found = self._of.get(subject)
+        if found is None:
+            if len(self._of) >= MAX_REMEMBERED:
+                self._of.clear()
+            found = self._of[subject] = self._find(subject)
+        return found
+
+    def _find(self, subject: Subject) -> tuple[CompiledGrant, ...]:
         if subject.kind is SubjectKind.ANONYMOUS:
             found = list(self._anonymous)
         elif subject.kind is SubjectKind.API_KEY:
