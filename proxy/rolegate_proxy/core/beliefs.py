@@ -43,6 +43,8 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 
+from .versions import Versions
+
 # Any observed duration is floored here before its log is taken (a burst of tokens in one
 # network read has a gap of "zero").
 MIN_SECONDS: Final = 1e-4
@@ -507,6 +509,9 @@ class Ledger:
         # statistics and, for machines this pod has no prior for, priors seeded from it.
         self._peers: dict[MachineKey, tuple[_Stats, _Stats]] = {}
         self._peer_priors: dict[MachineKey, tuple[_Prior | None, _Prior | None]] = {}
+        # What changed when, for readers that keep what they derived (the chooser's
+        # standings): every filed sighting, sheet, restore and hearing counts.
+        self.versions = Versions()
 
     def __len__(self) -> int:
         """Machines with sightings held (bounded by `max_keys`)."""
@@ -547,6 +552,7 @@ class Ledger:
         self._sheet = sheet
         self._cache.clear()
         self._stale.clear()
+        self.versions.changed_all()
         for key in sheet:
             self._indexed(key)
 
@@ -656,6 +662,7 @@ class Ledger:
         if not sighting.teaches:
             return
         key = sighting.key
+        self.versions.changed(key.provider, key.model, sighting.at)
         if key in self._cache:
             self._stale.add(key)
         settings = self.settings
@@ -734,6 +741,7 @@ class Ledger:
                 )
         self._cache.clear()
         self._stale.clear()
+        self.versions.changed_all()
 
     def hear(self, peers: Iterable[tuple[MachineEvidence, float]], now: float) -> None:
         """Replace what the fleet said: each peer's evidence with the weight it carries
@@ -766,6 +774,7 @@ class Ledger:
         self._peers, self._peer_priors = heard, priors
         for key in heard:
             self._indexed(key)
+        self.versions.changed_all()
         self._cache.clear()
         self._stale.clear()
 
@@ -784,6 +793,7 @@ class Ledger:
             self._stale.discard(victim)
             if victim not in self._sheet and victim not in self._peers:
                 self._unindex(victim)
+            self.versions.changed(victim.provider, victim.model, -math.inf)
         return entry
 
     def _indexed(self, key: MachineKey) -> None:

@@ -416,6 +416,11 @@ class Breakers:
         self._fleet: dict[BreakerKey, PeerTrip] = {}
         # The fleet's other pods' rate windows, summed (see `hear_rates`).
         self._peer_rates: dict[tuple[BreakerKey, Family], tuple[int, int]] = {}
+        # Bumped by every change that can change what `exclusion` answers other than time
+        # passing (a trip, a recovery, a hard exclusion imposed or lifted, a probe slot
+        # taken or given back, the fleet's trips), so a reader may keep its answers while
+        # the epoch stands and until the earliest `Exclusion.until` it was given.
+        self.epoch = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -447,6 +452,7 @@ class Breakers:
                 transitions.append(self._recover(entry, now))
             else:
                 entry.probe_at = None  # inconclusive: let another probe through
+                self.epoch += 1
 
         for sample in samples:
             entry = self._entry(sample.key, now)
@@ -529,6 +535,7 @@ class Breakers:
         now: float,
         settings: BreakerSpec,
     ) -> Transition:
+        self.epoch += 1
         flapping = (
             entry.recovered_at is not None
             and now - entry.recovered_at <= settings.max_cooldown_seconds
@@ -561,6 +568,7 @@ class Breakers:
         )
 
     def _recover(self, entry: _Entry, now: float) -> Transition:
+        self.epoch += 1
         assert entry.reason is not None
         entry.open = False
         entry.recovered_at = now
@@ -583,6 +591,7 @@ class Breakers:
     def _impose(
         self, hard: _Hard, retry_after: float | None, now: float, settings: BreakerSpec
     ) -> list[Transition]:
+        self.epoch += 1
         entry = self._entry(hard.key, now)
         exclusion = entry.hard.get(hard.cause)
         if exclusion is None:
@@ -638,6 +647,7 @@ class Breakers:
     def _lift(
         self, entry: _Entry, cause: Cause, exclusion: _HardExclusion, at: float
     ) -> Transition:
+        self.epoch += 1
         exclusion.active = False
         return Transition(
             TransitionKind.RECOVERED,
@@ -759,6 +769,8 @@ class Breakers:
         self, half_open: Sequence[_Entry], now: float, probe_lease: float | None
     ) -> tuple[BreakerKey, ...]:
         lease = self._lease if probe_lease is None else probe_lease
+        if half_open:
+            self.epoch += 1
         for entry in half_open:
             entry.probe_at = now
             entry.probe_until = now + lease
@@ -793,12 +805,15 @@ class Breakers:
             entry = self._entries.get(key)
             if entry is not None and entry.probe_at == admission.at:
                 entry.probe_at = None
+                self.epoch += 1
 
     def _mark_active(self, key: BreakerKey) -> None:
+        self.epoch += 1
         self._active[key] = None
         self._covering.add((key.provider, key.model, key.machine))
 
     def _unmark_active(self, key: BreakerKey) -> None:
+        self.epoch += 1
         self._active.pop(key, None)
         self._covering.discard((key.provider, key.model, key.machine))
 
@@ -860,6 +875,8 @@ class Breakers:
             held = fleet.get(trip.key)
             if held is None or trip.until > held.until:
                 fleet[trip.key] = trip
+        if fleet != self._fleet:
+            self.epoch += 1
         self._fleet = fleet
 
     def rate_counts(self) -> list[RateCount]:

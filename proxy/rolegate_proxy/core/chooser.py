@@ -48,6 +48,7 @@ See docs/patience.md.
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from collections.abc import Callable, Collection, Sequence
@@ -64,10 +65,17 @@ from rolegate_policy.enums import (
     Ruling,
 )
 
-from .beliefs import Ledger, MachineBelief, MachineKey
+from .beliefs import (
+    BELIEF_COALESCE_SECONDS,
+    BELIEF_REFRESH_SECONDS,
+    Ledger,
+    MachineBelief,
+    MachineKey,
+)
 from .exclusions import (
     Exclusion,
 )
+from .fastest import contenders
 from .ranking import describe_place, rank
 from .routing import Candidate, MachineRouting, RoutingKind, aggregator_routing
 from .score import UNIT_SCALE, Scoreboard, ScoreView
@@ -81,6 +89,8 @@ FAILED: Final = "failed"
 AFFINITY: Final = "affinity"
 # Roles whose affinity pin is remembered at most (roles come from the RoleTable).
 MAX_PINS: Final = 1024
+# Standings kept at most (role x candidate x prompt-size class; see `Chooser._standing`).
+MAX_STANDINGS: Final = 4096
 
 
 class Fate(StrEnum):
@@ -223,10 +233,19 @@ class Choice:
     pinned: str | None = None
     last_resort: bool = False
     target: float | None = None
+    # The ranking this choice was finished from (it keeps the contenders once found).
+    ranked: Ranked | None = field(default=None, compare=False, repr=False)
 
     @property
     def sendable(self) -> bool:
         return self.skip_reason is None
+
+    def contenders(self) -> list[Alternative]:
+        """The admitted machines with a complete belief that can finish a stream soonest
+        for some length, even with any one of them left out (`fastest.contenders`)."""
+        if self.ranked is not None:
+            return self.ranked.contenders(self)
+        return _contenders_of(_alternatives(self, self.fates))
 
     @property
     def admitted(self) -> tuple[str, ...]:
@@ -301,18 +320,14 @@ class Plan:
         return tuple(c for c in self.choices if c.sendable)
 
     def frontier(self) -> tuple[Alternative, ...]:
-        """Every admitted machine of the request with a complete belief, in plan order:
-        what the mid-stream rate test may compare a serving machine with."""
+        """What the mid-stream rate test may compare a serving machine with: of every
+        admitted machine with a complete belief, in plan order, those that can finish some
+        remaining length soonest with any one machine left out, among them all and among
+        those that continue partial messages (`Choice.contenders`). The test's answer is the
+        same as over all of them; over a thousand machines it is a handful."""
         found: list[Alternative] = []
         for choice in self.choices:
-            for fate in choice.fates:
-                if not fate.admitted or fate.belief is None:
-                    continue
-                if fate.belief.ttft is None or fate.belief.gap is None:
-                    continue
-                found.append(
-                    Alternative(choice.key(fate.machine), fate.belief, fate.continues_partial)
-                )
+            found.extend(choice.contenders())
         return tuple(found)
 
     def continuers(self, model: str, avoid: Collection[MachineKey] = ()) -> list[MachineKey]:
@@ -343,6 +358,126 @@ class Plan:
         return None
 
 
+class Ranked:
+    """One candidate's machines judged and ranked, before any request's own touches: the
+    admitted in rank order, the refused in refusal order. A standing keeps one between
+    requests (`Chooser._standing`); what requests read of it is built once, when first
+    read."""
+
+    __slots__ = (
+        "_choice",
+        "_contenders",
+        "_heads",
+        "_positions",
+        "_refused_names",
+        "admitted",
+        "aggregator",
+        "model",
+        "prompt_tokens",
+        "provider",
+        "refused",
+        "role",
+        "target",
+    )
+
+    def __init__(
+        self,
+        role: CompiledRole,
+        provider: str,
+        model: str,
+        aggregator: bool,
+        admitted: list[MachineFate],
+        refused: list[MachineFate],
+        target: float | None,
+        prompt_tokens: int,
+    ) -> None:
+        self.role = role
+        self.provider = provider
+        self.model = model
+        self.aggregator = aggregator
+        self.admitted = admitted
+        self.refused = refused
+        self.target = target
+        # The prompt size its costs were computed for.
+        self.prompt_tokens = prompt_tokens
+        self._choice: Choice | None = None
+        self._heads: dict[str, MachineFate] = {}
+        self._positions: dict[str, int] | None = None
+        self._refused_names: frozenset[str] | None = None
+        self._contenders: list[Alternative] | None = None
+
+    @property
+    def choice(self) -> Choice:
+        """The choice with nothing of a request's own: rank order as it stands."""
+        if self._choice is None:
+            self._choice = self.finished(self.admitted, None)
+        return self._choice
+
+    def finished(self, admitted: Sequence[MachineFate], pinned: str | None) -> Choice:
+        """The choice that sends `admitted` (these machines, reordered) in this order."""
+        role, refused = self.role, self.refused
+        ruling = Ruling.ONLY if role.effective_ruling is Ruling.ONLY else Ruling.ORDER
+        ordered = (*admitted, *refused)
+        if not admitted:
+            reasons = ", ".join(f"{f.machine}: {f.reason}" for f in refused) or "none listed"
+            return Choice(
+                role.name, self.provider, self.model, self.aggregator, ruling, ordered, None,
+                f"no machine of this model may be sent to ({reasons})", None, ranked=self,
+            )  # fmt: skip
+        routing = None
+        if self.aggregator:
+            routing = aggregator_routing(
+                role, [f.machine for f in admitted], [f.machine for f in refused]
+            )
+        return Choice(
+            role.name, self.provider, self.model, self.aggregator, ruling, ordered, routing, None,
+            pinned, target=self.target, ranked=self,
+        )  # fmt: skip
+
+    def head(self, fate: MachineFate) -> MachineFate:
+        """A copy of an admitted machine's fate to rank against other providers' heads
+        (`Chooser.order_candidates` scores it anew for that field), one per machine."""
+        found = self._heads.get(fate.machine)
+        if found is None:
+            found = self._heads[fate.machine] = copy.copy(fate)
+            found.cost = None
+            found.view = None
+        return found
+
+    def position(self, machine: str) -> int | None:
+        """Where `machine` stands among the admitted (None: not admitted)."""
+        if self._positions is None:
+            self._positions = {f.machine: i for i, f in enumerate(self.admitted)}
+        return self._positions.get(machine)
+
+    def refused_names(self) -> frozenset[str]:
+        if self._refused_names is None:
+            self._refused_names = frozenset(f.machine for f in self.refused)
+        return self._refused_names
+
+    def contenders(self, choice: Choice) -> list[Alternative]:
+        """`Choice.contenders` of this ranking (the same for every request finished from
+        it: a request reorders the admitted, never changes them)."""
+        if self._contenders is None:
+            self._contenders = _contenders_of(_alternatives(choice, self.admitted))
+        return self._contenders
+
+
+@dataclass(frozen=True, slots=True)
+class _Standing:
+    """A ranking kept between requests, and what it was made from (`Chooser._standing`)."""
+
+    role: CompiledRole
+    model: CompiledModel
+    epoch: int
+    beliefs: int
+    scores: int
+    known: int
+    made_at: float
+    until: float
+    ranked: Ranked
+
+
 class Chooser:
     """Plans requests from the ledger's beliefs and the breakers' exclusions, and holds
     each role's affinity pin. Pure; `now` is passed in. Not thread-safe."""
@@ -354,6 +489,7 @@ class Chooser:
         scores: Scoreboard | None = None,
         draw: Callable[[], float] | None = None,
         explore: float = 0.0,
+        exclusions_epoch: Callable[[], int] | None = None,
     ) -> None:
         if not 0.0 <= explore < 1.0:
             raise ValueError(f"the exploration share must be in [0, 1), got {explore}")
@@ -366,6 +502,11 @@ class Chooser:
         # Uniform on [0, 1): the dither of the quality tiers. Tests pass a seeded one.
         self.draw = draw if draw is not None else random.Random().random
         self._pins: dict[str, MachineKey] = {}
+        # The breakers' epoch (`Breakers.epoch`), whose every change can change what the
+        # exclusion lookup answers: with it, rankings are kept between requests
+        # (`_standing`); without it (the pure tests' lookups), every decision ranks afresh.
+        self._exclusions_epoch = exclusions_epoch
+        self._standings: dict[tuple[str, str, str, int], _Standing] = {}
         # id(compiled model) -> (the model, its machines by name, their names in order).
         self._sheets: dict[
             int,
@@ -423,7 +564,103 @@ class Chooser:
     ) -> Choice:
         """One candidate's choice. `avoid` names machines that failed earlier in this
         request (MachineKeys, or bare machine names of this candidate); `prompt_tokens`
-        is the request's estimated input, for the expected cost."""
+        is the request's estimated input, for the expected cost.
+
+        With an `exclusions_epoch`, a candidate's ranking is kept between requests while
+        nothing it was computed from changed (`_standing`); this request's own touches
+        (the affinity pin, an exploration, the machines it saw fail) are applied to it."""
+        if avoid:
+            ranked = self._ranked(role, candidate, exclusion, now, avoid, prompt_tokens)
+        else:
+            ranked = self._ranking(role, candidate, exclusion, now, prompt_tokens)
+        return self._finish(role, candidate, ranked)
+
+    def _ranking(
+        self,
+        role: CompiledRole,
+        candidate: Candidate,
+        exclusion: ExclusionLookup,
+        now: float,
+        prompt_tokens: int,
+    ) -> Ranked:
+        """The candidate's ranking: kept (`_standing`) when rankings may be kept."""
+        if self._exclusions_epoch is None:
+            return self._ranked(role, candidate, exclusion, now, (), prompt_tokens)
+        return self._standing(role, candidate, exclusion, now, prompt_tokens)
+
+    def _standing(
+        self,
+        role: CompiledRole,
+        candidate: Candidate,
+        exclusion: ExclusionLookup,
+        now: float,
+        prompt_tokens: int,
+    ) -> Ranked:
+        """The candidate's ranking, kept per role, candidate and prompt-size class while:
+        the configuration is the same; the breakers' exclusions did not change (any change
+        is seen at once) and none it saw has ended; and the ledger's beliefs and the
+        scoreboard's scores did not change, or changed less than BELIEF_COALESCE_SECONDS
+        after it was made (the ledger already serves a sighting that late); for at most
+        BELIEF_REFRESH_SECONDS (the beliefs' own forgetting). So a routing decision costs
+        the same over a thousand machines as over one, and a candidate answering a
+        thousand requests a second is ranked twenty times a second, not a thousand.
+
+        The quality tiers' dither is drawn per ranking, so it is kept with it: the share of
+        first attempts a machine behind the best gets holds over the rankings, not within
+        one. Costs are compared at the prompt-size class (`prompt_tokens` rounded within
+        its power of two)."""
+        provider, model = candidate.provider.name, candidate.model.name
+        size = prompt_tokens.bit_length()
+        key = (role.name, provider, model, size)
+        assert self._exclusions_epoch is not None
+        epoch = self._exclusions_epoch()
+        beliefs = self.ledger.versions.of(provider, model)
+        scores = self.scores.versions.of(provider, model)
+        # A machine first heard of (an aggregator routed to it unasked) is a candidate at
+        # once, as the ledger knows it from its first sighting on: never coalesced.
+        known = len(self.ledger.machine_set(provider, model))
+        held = self._standings.get(key)
+        if (
+            held is not None
+            and held.role is role
+            and held.model is candidate.model
+            and held.epoch == epoch
+            and held.known == known
+            and held.made_at <= now < held.until
+            and (
+                (held.beliefs == beliefs and held.scores == scores)
+                or now - held.made_at < BELIEF_COALESCE_SECONDS
+            )
+        ):
+            return held.ranked
+        ranked = self._ranked(role, candidate, exclusion, now, (), _size_class_tokens(size))
+        until = now + BELIEF_REFRESH_SECONDS
+        for fate in ranked.refused:
+            if fate.exclusion is not None and fate.exclusion.until is not None:
+                until = min(until, fate.exclusion.until)
+        # A sighting filed moments ago may have been read as the belief before it (the
+        # ledger coalesces): look again once it is served.
+        served_at = self.ledger.versions.changed_at(provider, model) + BELIEF_COALESCE_SECONDS
+        if served_at > now:
+            until = min(until, served_at)
+        if len(self._standings) >= MAX_STANDINGS:
+            self._standings.clear()
+        self._standings[key] = _Standing(
+            role, candidate.model, epoch, beliefs, scores, known, now, until, ranked
+        )
+        return ranked
+
+    def _ranked(
+        self,
+        role: CompiledRole,
+        candidate: Candidate,
+        exclusion: ExclusionLookup,
+        now: float,
+        avoid: Collection[MachineKey] | Collection[str],
+        prompt_tokens: int,
+    ) -> Ranked:
+        """Every machine of the candidate judged and the admitted ranked, before this
+        request's own touches (see `_finish`)."""
         provider, model = candidate.provider.name, candidate.model.name
         aggregator = candidate.is_aggregator
         sheet, sheet_names, keys = self._sheet(candidate)
@@ -437,7 +674,7 @@ class Chooser:
         patience = role.patience_seconds
         belief_of = self.ledger.current
 
-        # The hot loop of routing: every machine of the candidate, every request.
+        # The hot loop of routing: every machine of the candidate, every ranking.
         fates: list[MachineFate] = []
         admitted: list[MachineFate] = []
         # Enum members bound once: a class attribute read per machine adds up here.
@@ -477,37 +714,30 @@ class Chooser:
             (f for f in fates if f.fate is not admit),
             key=lambda f: (_REFUSAL_ORDER[f.fate], by_expected_time(f), f.machine),
         )
-        pinned = self._apply_pin(role.name, provider, model, admitted, refused)
-        if self._exploring(role, len(admitted)):
-            index = self._least_observed(admitted)
-            explored = admitted.pop(index)
+        return Ranked(role, provider, model, aggregator, admitted, refused, target, prompt_tokens)
+
+    def _finish(self, role: CompiledRole, candidate: Candidate, ranked: Ranked) -> Choice:
+        """The choice this request makes of a ranking: the affinity pin leads (or is
+        dropped), and in an exploring decision the least observed machine leads. The
+        ranking itself is left as it was (the fates this touches are copies)."""
+        admitted = ranked.admitted
+        pinned = self._pin(role.name, ranked)
+        explore = self._exploring(role, len(admitted))
+        if pinned is None and not explore:
+            return ranked.choice
+        order = list(admitted)
+        pinned_name = None
+        if pinned is not None:
+            fate = copy.copy(order.pop(pinned))
+            fate.reason = AFFINITY
+            order.insert(0, fate)
+            pinned_name = fate.machine
+        if explore:
+            explored = copy.copy(order.pop(self._least_observed(order)))
             explored.explored = True
-            admitted.insert(0, explored)
-            pinned = None
-        ruling = Ruling.ONLY if role.effective_ruling is Ruling.ONLY else Ruling.ORDER
-        ordered = (*admitted, *refused)
-        if not admitted:
-            reasons = ", ".join(f"{f.machine}: {f.reason}" for f in refused) or "none listed"
-            return Choice(
-                role.name,
-                provider,
-                model,
-                aggregator,
-                ruling,
-                ordered,
-                None,
-                f"no machine of this model may be sent to ({reasons})",
-                None,
-            )
-        routing = None
-        if aggregator:
-            routing = aggregator_routing(
-                role, [f.machine for f in admitted], [f.machine for f in refused]
-            )
-        return Choice(
-            role.name, provider, model, aggregator, ruling, ordered, routing, None, pinned,
-            target=target,
-        )  # fmt: skip
+            order.insert(0, explored)
+            pinned_name = None
+        return ranked.finished(order, pinned_name)
 
     def _rank(
         self,
@@ -620,13 +850,17 @@ class Chooser:
             by_key: dict[MachineKey, Candidate] = {}
             closed: list[Candidate] = []
             for candidate in group:
-                choice = self.choose(role, candidate, exclusion, now, prompt_tokens=prompt_tokens)
-                if not choice.sendable:
+                ranked = self._ranking(role, candidate, exclusion, now, prompt_tokens)
+                if not ranked.admitted:
                     closed.append(candidate)
                     continue
-                head = choice.fates[0]
-                sheet, _, _ = self._sheet(candidate)
-                self._score(role, [head], sheet, prompt_tokens)  # its cost, from its sheet
+                # Each provider by the machine it would send to first: the pinned one, else
+                # its best (exploring among providers is decided below, once).
+                pinned = self._pin(role.name, ranked)
+                head = ranked.head(ranked.admitted[0 if pinned is None else pinned])
+                if head.cost is None and head.view is None:
+                    sheet, _, _ = self._sheet(candidate)
+                    self._score(role, [head], sheet, ranked.prompt_tokens)  # its cost
                 entries.append(head)
                 by_key[head.key] = candidate
             # The heads are ranked against each other: shrunk towards their own field.
@@ -661,34 +895,57 @@ class Chooser:
 
         return min(range(1, len(ranked)), key=evidence)
 
-    def _apply_pin(
-        self,
-        role: str,
-        provider: str,
-        model: str,
-        admitted: list[MachineFate],
-        refused: list[MachineFate],
-    ) -> str | None:
+    def _pin(self, role: str, ranked: Ranked) -> int | None:
+        """Where the role's affinity pin stands among the admitted, to lead; None when it
+        is on another candidate, or dropped: a refused machine never keeps the pin (B3);
+        nor does one the score placed below the top quality tier (C4: the score lowers
+        preference)."""
         pin = self._pins.get(role)
-        if pin is None or pin.provider != provider or pin.model != model:
+        if pin is None or pin.provider != ranked.provider or pin.model != ranked.model:
             return None
-        top = (f.machine for f in admitted if f.placement is None or f.placement[0] == 0)
-        if any(f.machine == pin.machine for f in refused) or (admitted and pin.machine not in top):
-            # A refused machine never keeps the pin (B3); nor does one the score placed
-            # below the top quality tier (C4: the score lowers preference).
+        index = ranked.position(pin.machine)
+        admitted = ranked.admitted
+        if pin.machine in ranked.refused_names() or (
+            admitted and (index is None or not _top_tier(admitted[index]))
+        ):
             del self._pins[role]
             return None
-        for index, fate in enumerate(admitted):
-            if fate.machine == pin.machine:
-                fate.reason = AFFINITY
-                del admitted[index]
-                admitted.insert(0, fate)
-                return pin.machine
-        return None
+        return index
 
 
 _NO_NAMES: Final[frozenset[str]] = frozenset()
 _REFUSAL_ORDER: Final = {Fate.EXCLUDED: 0, Fate.FAILED: 1, Fate.PATIENCE: 2, Fate.ADMITTED: 3}
+
+
+def _top_tier(fate: MachineFate) -> bool:
+    return fate.placement is None or fate.placement[0] == 0
+
+
+def _size_class_tokens(size: int) -> int:
+    """The prompt size costs are compared at for prompts of `size` bits: three quarters
+    of the way up its power of two (0 for an empty prompt)."""
+    return 0 if size == 0 else (3 << size) // 4 if size > 1 else 1
+
+
+def _alternatives(choice: Choice, fates: Sequence[MachineFate]) -> list[Alternative]:
+    """The admitted machines with both a TTFT and a gap belief, in order."""
+    found: list[Alternative] = []
+    for fate in fates:
+        belief = fate.belief
+        if not fate.admitted or belief is None or belief.ttft is None or belief.gap is None:
+            continue
+        found.append(Alternative(choice.key(fate.machine), belief, fate.continues_partial))
+    return found
+
+
+def _contenders_of(alternatives: list[Alternative]) -> list[Alternative]:
+    """`fastest.contenders` among all and among those that continue partial messages
+    (what the watch compares once content reached the client), in their order."""
+    keep = {id(a) for a in contenders(alternatives)}
+    continuing = [a for a in alternatives if a.continues_partial]
+    if continuing:
+        keep.update(id(a) for a in contenders(continuing))
+    return [a for a in alternatives if id(a) in keep]
 
 
 def provider_of(candidate: Candidate) -> str:

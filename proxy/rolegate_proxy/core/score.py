@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from .beliefs import MachineKey
+from .versions import Versions
 
 
 class ObservationKind(StrEnum):
@@ -353,6 +354,8 @@ class Scoreboard:
         self._alpha = self.settings.alpha
         self._records: OrderedDict[MachineKey, _Record] = OrderedDict()
         self._cold = RunningScore(self._alpha).view(self.settings, UNIT_SCALE.neutral)
+        # What changed, for readers that keep what they derived (the chooser's standings).
+        self.versions = Versions()
 
     def __len__(self) -> int:
         return len(self._records)
@@ -371,6 +374,7 @@ class Scoreboard:
         """File one attempt's outcome; returns the operational view afterwards."""
         value = observation_value(kind, elapsed=elapsed, patience=patience)
         record = self._record(key, now)
+        self.versions.changed(key.provider, key.model, now)
         record.operational.observe(value, now)
         record.kinds[kind] = record.kinds.get(kind, 0) + 1
         record.view = self._view_of(record)
@@ -383,6 +387,7 @@ class Scoreboard:
         semantic view afterwards (on [0, 1]). A value outside the scale is refused."""
         normalized = scale.normalize(value)
         record = self._record(key, now)
+        self.versions.changed(key.provider, key.model, now)
         semantic = record.semantic
         if semantic is None:
             semantic = record.semantic = _Semantic(self._alpha, scale, self._cold)
@@ -466,6 +471,7 @@ class Scoreboard:
             record = self._record(key, now)
             record.operational.restore(evidence)
             record.view = self._view_of(record)
+        self.versions.changed_all()
 
     def hear(self, peers: Iterable[tuple[MachineKey, ScoreEvidence, float]], now: float) -> None:
         """Replace what the fleet said: each peer's record with the weight its age leaves
@@ -491,6 +497,7 @@ class Scoreboard:
             record = found if found is not None else self._record(key, now)
             record.heard = ScoreEvidence(round(n), weighted / total, total)
             record.view = self._view_of(record)
+        self.versions.changed_all()
 
     def _view_of(self, record: _Record) -> ScoreView:
         """The operational view: this pod's record, and the fleet's when it heard one."""
@@ -516,7 +523,8 @@ class Scoreboard:
         if record is None:
             record = self._records[key] = _Record(self._alpha, self._cold)
             while len(self._records) > self.settings.max_keys:
-                self._records.popitem(last=False)
+                victim, _ = self._records.popitem(last=False)
+                self.versions.changed(victim.provider, victim.model, now)
         else:
             self._records.move_to_end(key)
         record.last_at = now if record.last_at is None else max(record.last_at, now)

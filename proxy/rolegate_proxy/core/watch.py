@@ -74,6 +74,7 @@ from rolegate_policy.config import (
 
 from .beliefs import MIN_SECONDS, GapStats, MachineBelief, MachineKey
 from .chooser import Alternative
+from .fastest import undominated
 
 
 class ActReason(StrEnum):
@@ -241,8 +242,11 @@ class Watch:
         self._sort_frontier()
 
     def _sort_frontier(self) -> None:
-        self._others = tuple(a for a in self.frontier if a.key != self.serving)
-        self._continuing = tuple(a for a in self._others if a.continues_partial)
+        # Only the alternatives that can be soonest for some length: `_best` runs on every
+        # content event, and gives the same answer over these as over all of them.
+        others = [a for a in self.frontier if a.key != self.serving]
+        self._others = tuple(undominated(others))
+        self._continuing = tuple(undominated(a for a in others if a.continues_partial))
         gap = None if self.belief is None else self.belief.gap
         self._believed_gap = None if gap is None else gap.mean()
         var = self.settings.default_log_sd**2 if gap is None else gap.log_var

@@ -60,8 +60,13 @@ class Dispatcher:
     _services: Services | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        breakers = self.breakers
         self.chooser = Chooser(
-            self.ledger, scores=self.scores, draw=self.rng.random, explore=self.explore
+            self.ledger,
+            scores=self.scores,
+            draw=self.rng.random,
+            explore=self.explore,
+            exclusions_epoch=lambda: breakers.epoch,
         )
         self.recorder = Recorder(
             self.breakers, self.ledger, self.chooser, self.verdicts, self.metrics
