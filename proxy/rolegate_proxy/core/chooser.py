@@ -42,6 +42,11 @@ ProviderPolicy names or the ledger knows about, each with its fate and the reaso
   the best candidate whose machines were refused only for patience as an `order` of them
   (a slow answer beats none); hard exclusions are never sent to.
 
+* **Kept rankings.** With the breakers' epoch, a candidate's ranking is kept between
+  requests until what it was made from changes (`_standing`), and each request applies
+  its own pin, exploration and failures to it: a decision over a thousand machines costs
+  what one over a single machine does.
+
 Pure: the clock and the exclusion lookup are arguments; nothing here sends anything.
 See docs/patience.md.
 """
