@@ -146,13 +146,16 @@ class Proc:
 class Processes:
     """Starts processes (each its own process group, its output in `<logs>/<name>.log`)
     and stops every one of them on the way out, however the way out is taken: an error,
-    Ctrl-C, or a SIGTERM to this process (turned into KeyboardInterrupt while open)."""
+    Ctrl-C or a SIGTERM to this process."""
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, logs: Path) -> None:
         self.logs = logs
         self.started: list[Proc] = []
-        # What signal.signal returned: a handler, SIG_DFL or SIG_IGN (typeshed's union).
-        self._previous_sigterm: Any = signal.SIG_DFL
+        self.interrupted = False
+        # What signal.signal returned for each: a handler, SIG_DFL or SIG_IGN.
+        self._previous: dict[int, Any] = {}
 
     def start(
         self,
@@ -179,12 +182,19 @@ class Processes:
         self.started.append(proc)
         return proc
 
-    def __enter__(self) -> Processes:
-        def interrupted(signum: int, frame: FrameType | None) -> None:
-            raise KeyboardInterrupt
+    def _interrupt(self, signum: int, frame: FrameType | None) -> None:
+        # The exception may land in an event-loop callback that swallows it; the processes
+        # told to stop here make every request after it fail, so the run ends either way.
+        self.interrupted = True
+        for proc in self.started:
+            if proc.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.popen.pid, signal.SIGTERM)
+        raise KeyboardInterrupt
 
-        previous = signal.signal(signal.SIGTERM, interrupted)
-        self._previous_sigterm = signal.SIG_DFL if previous is None else previous
+    def __enter__(self) -> Processes:
+        for signum in self._SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._interrupt)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -192,7 +202,11 @@ class Processes:
             for proc in reversed(self.started):
                 proc.stop()
         finally:
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            for signum, previous in self._previous.items():
+                signal.signal(signum, signal.SIG_DFL if previous is None else previous)
+        if self.interrupted:
+            # In place of whatever the interruption surfaced as (a broken response, often).
+            raise SystemExit(f"interrupted: every process it started is stopped ({self.logs})")
 
 
 # --- workloads and targets ---------------------------------------------------------------
