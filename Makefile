@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv bench clean crds chart-crds dev-cluster control-plane lock
+.PHONY: demo test lint venv bench bench-peers bench-machines clean crds chart-crds dev-cluster control-plane lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,18 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/outcome_emit.py
 	$(BIN)/python bench/routing_decision.py
+
+# rolegate beside LiteLLM's proxy and Portkey's gateway (bench/peers.py): about 15 minutes,
+# not part of `make bench`. The first run installs the pinned peers under
+# $${ROLEGATE_CACHE:-~/.cache/rolegate}/bench-peers (PyPI and npm), later runs reuse them.
+# Quicker, rolegate alone: .venv/bin/python bench/peers.py --targets rolegate
+bench-peers: $(STAMP)
+	$(BIN)/python bench/peers.py
+
+# rolegate's request path with one model on 1, 10, 100 and 1,000 aggregator machines
+# (bench/machines.py): about two minutes.
+bench-machines: $(STAMP)
+	$(BIN)/python bench/machines.py
 
 clean:
 	rm -rf $(VENV)
