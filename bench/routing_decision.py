@@ -257,7 +257,7 @@ def cases(w: World) -> list[tuple[str, Callable[[], object]]]:
     def streamed() -> object:
         # A streamed request adds the plan of every candidate and its frontier.
         decision()
-        return chooser.plan(role, plan_candidates(role, w.config), exclusion, w.now).frontier()
+        return chooser.frontier(role, candidates, exclusion, w.now)
 
     return [
         ("order_candidates + choose (the decision)", decision),

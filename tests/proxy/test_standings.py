@@ -205,3 +205,24 @@ def test_a_machine_first_heard_of_is_a_candidate_at_once() -> None:
     # Well inside the coalescing window: a new machine is not a change that waits.
     choice = kept.choose(agent, pool, breakers.exclusion, 7.0002)
     assert "hidden" in choice.admitted
+
+
+def test_a_kept_frontier_is_the_fresh_one_and_loses_a_tripped_machine_at_once() -> None:
+    config, _, _, breakers, kept, fresh = world(200)
+    agent = role()
+    candidates = (candidate(config, AGG, CODER),)
+    frontier = kept.frontier(agent, candidates, breakers.exclusion, 3.0)
+    assert frontier == fresh.frontier(agent, candidates, breakers.exclusion, 3.0)
+    # A handful of the 203, and the soonest for any length among them.
+    assert 0 < len(frontier) < 20
+    everyone = fresh.plan(agent, candidates, breakers.exclusion, 3.0).choices[0]
+    admitted = [f for f in everyone.fates if f.admitted and f.belief is not None and f.belief.gap]
+    for tokens in (1, 100, 600, 10_000):
+        soonest = min(admitted, key=lambda f: (f.belief.expected_seconds(tokens), f.machine))  # type: ignore[union-attr]
+        assert soonest.machine in {a.key.machine for a in frontier}
+    leader = min(frontier, key=lambda a: (a.expected_seconds(600), a.key))
+    for at in (3.001, 3.002):
+        breakers.record(Attempted.http_error(AGG, CODER, 503, machine=leader.key.machine), at)
+    after = kept.frontier(agent, candidates, breakers.exclusion, 3.002)
+    assert leader.key not in {a.key for a in after}
+    assert after == fresh.frontier(agent, candidates, breakers.exclusion, 3.002)

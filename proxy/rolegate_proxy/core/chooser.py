@@ -383,6 +383,7 @@ class Ranked:
         "refused",
         "role",
         "target",
+        "until",
     )
 
     def __init__(
@@ -405,6 +406,8 @@ class Ranked:
         self.target = target
         # The prompt size its costs were computed for.
         self.prompt_tokens = prompt_tokens
+        # Until when a standing keeps it (see `Chooser._standing`; inf when not kept).
+        self.until = math.inf
         self._choice: Choice | None = None
         self._heads: dict[str, MachineFate] = {}
         self._positions: dict[str, int] | None = None
@@ -483,6 +486,19 @@ class _Standing:
     ranked: Ranked
 
 
+@dataclass(frozen=True, slots=True)
+class _KeptFrontier:
+    """A role's frontier kept between requests (`Chooser.frontier`)."""
+
+    role: CompiledRole
+    candidates: Sequence[Candidate]
+    epoch: int
+    counts: tuple[int, int]
+    made_at: float
+    until: float
+    frontier: tuple[Alternative, ...]
+
+
 class Chooser:
     """Plans requests from the ledger's beliefs and the breakers' exclusions, and holds
     each role's affinity pin. Pure; `now` is passed in. Not thread-safe."""
@@ -512,6 +528,7 @@ class Chooser:
         # (`_standing`); without it (the pure tests' lookups), every decision ranks afresh.
         self._exclusions_epoch = exclusions_epoch
         self._standings: dict[tuple[str, str, str, int], _Standing] = {}
+        self._frontiers: dict[str, _KeptFrontier] = {}
         # id(compiled model) -> (the model, its machines by name, their names in order).
         self._sheets: dict[
             int,
@@ -556,6 +573,45 @@ class Chooser:
             if pin is not None and self._pins.get(role.name) is None:
                 unpinned = pin
         return Plan(role.name, tuple(choices), unpinned)
+
+    def frontier(
+        self,
+        role: CompiledRole,
+        candidates: Sequence[Candidate],
+        exclusion: ExclusionLookup,
+        now: float,
+    ) -> tuple[Alternative, ...]:
+        """What a stream's rate test compares its machine with: the plan's frontier cut to
+        the machines that can win over the whole request (`fastest.contenders`, among all
+        and among continuers). With an `exclusions_epoch` it is kept per role as rankings
+        are (`_standing`): every stream asks, and over a thousand machines the plan behind
+        it is sixteen candidates' rankings."""
+        epoch = None if self._exclusions_epoch is None else self._exclusions_epoch()
+        counts = (self.ledger.versions.count, self.scores.versions.count)
+        held = self._frontiers.get(role.name)
+        if (
+            epoch is not None
+            and held is not None
+            and held.role is role
+            and held.candidates is candidates
+            and held.epoch == epoch
+            and held.made_at <= now < held.until
+            and (held.counts == counts or now - held.made_at < BELIEF_COALESCE_SECONDS)
+        ):
+            return held.frontier
+        plan = self.plan(role, candidates, exclusion, now)
+        frontier = tuple(_contenders_of(list(plan.frontier())))
+        if epoch is not None:
+            until = min(
+                (c.ranked.until for c in plan.choices if c.ranked is not None),
+                default=now + BELIEF_REFRESH_SECONDS,
+            )
+            if len(self._frontiers) >= MAX_PINS:
+                self._frontiers.clear()
+            self._frontiers[role.name] = _KeptFrontier(
+                role, candidates, epoch, counts, now, until, frontier
+            )
+        return frontier
 
     def choose(
         self,
@@ -648,6 +704,7 @@ class Chooser:
         served_at = self.ledger.versions.changed_at(provider, model) + BELIEF_COALESCE_SECONDS
         if served_at > now:
             until = min(until, served_at)
+        ranked.until = until
         if len(self._standings) >= MAX_STANDINGS:
             self._standings.clear()
         self._standings[key] = _Standing(

@@ -33,6 +33,12 @@ class Versions:
         self._count += 1
         self._all = self._count
 
+    @property
+    def count(self) -> int:
+        """Grows with every change of any pair: equal to an earlier reading exactly while
+        nothing at all changed."""
+        return self._count
+
     def of(self, provider: str, model: str) -> int:
         """The pair's version: equal to an earlier reading exactly while nothing changed."""
         return max(self._all, self._pairs.get((provider, model), 0))

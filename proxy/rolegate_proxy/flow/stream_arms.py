@@ -13,7 +13,7 @@ from rolegate_policy.status import ProtocolQuirk
 
 from ..core.arm_end import ArmEnd
 from ..core.beliefs import MachineKey
-from ..core.chooser import Plan
+from ..core.chooser import Alternative, Plan
 from ..core.decisions import Decision
 from ..core.outcomes import ArmAct
 from ..core.routing import Attempt
@@ -85,6 +85,14 @@ class StreamArms:
         candidates = services.candidates(chat.role, self.host.config)
         return services.chooser.plan(chat.role, candidates, services.breakers.exclusion, self.now())
 
+    def frontier(self) -> tuple[Alternative, ...]:
+        """What the rate test compares the serving machine with, as the chooser keeps it."""
+        services, chat = self.services, self.host.chat
+        candidates = services.candidates(chat.role, self.host.config)
+        return services.chooser.frontier(
+            chat.role, candidates, services.breakers.exclusion, self.now()
+        )
+
     def run(
         self, attempt: Attempt, budget: float, act: ArmAct | None = None, delivered: int = 0
     ) -> ArmRun:
@@ -99,7 +107,7 @@ class StreamArms:
             started_at=self.host.decision.started_at,
             serving=key,
             belief=None if key is None else self.services.recorder.ledger.belief_of(key, now),
-            frontier=self.plan().frontier(),
+            frontier=self.frontier(),
             # Buffered, nothing reaches the client before the end: any alternative can take
             # over (afresh), not only one that continues partial messages.
             streams_to_client=self.host.chat.role.delivery is not Delivery.BUFFERED,
