@@ -827,6 +827,23 @@ def test_auth_failures_back_off_until_an_answer_resets_them() -> None:
     assert t.until == pytest.approx(now + 1 + 30)
 
 
+def test_an_answer_ends_only_the_streaks_no_longer_imposed_on_every_key_over_it() -> None:
+    breakers = make()
+    (first,) = tripped(breakers.record(status(401), 0.0))
+    assert first.until is not None
+    (second,) = tripped(breakers.record(status(401), first.until))
+    assert second.until is not None
+    # An answer while the exclusion is still imposed (one sent before it) ends nothing.
+    breakers.record(clean(), first.until + 1)
+    (third,) = tripped(breakers.record(status(401), second.until))
+    assert third.until is not None
+    assert third.until - second.until == pytest.approx(120)
+    # Once it lapsed, an answer from any machine of the provider ends it.
+    breakers.record(clean(machine="x"), third.until)
+    (fourth,) = tripped(breakers.record(status(401), third.until + 1))
+    assert fourth.until == pytest.approx(third.until + 1 + 30)
+
+
 # --- reporting --------------------------------------------------------------------------------
 
 

@@ -35,8 +35,9 @@ from rolegate_proxy.core.verdicts import (
     profile_prompt,
     profile_texts,
     signatures,
+    strings_in,
 )
-from rolegate_proxy.wire.chat_request import validate_chat_request
+from rolegate_proxy.wire.chat_request import estimate_prompt_tokens, validate_chat_request
 
 EM_DASH_DOUBLE_ENCODED = "c3a2c280c294"  # U+2014 as UTF-8 (e2 80 94), read as latin-1, re-encoded
 
@@ -297,6 +298,20 @@ def test_the_profile_covers_every_string_a_model_might_echo() -> None:
     assert all(c > "\x7f" for c in profile.chars)
     tools = [{"function": {"name": "f", "description": "Suche nach „Dingen“"}}]
     assert profile_prompt([{"role": "user", "content": "hi"}], tools).chars == {"„", "“"}
+
+
+def test_strings_in_finds_every_string_at_any_depth_and_nothing_else() -> None:
+    value = [{"a": "x", "b": [1, None, True, {"c": "y"}], "d": 2.5}, "z", [[["w"]]]]
+    assert sorted(strings_in(value)) == ["w", "x", "y", "z"]
+    assert strings_in(None) == []
+    assert strings_in("alone") == ["alone"]
+
+
+def test_the_prompt_size_is_a_quarter_of_its_characters() -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "abcdefgh"}]}]
+    # "user", "text" and "abcdefgh": 16 characters, 4 tokens.
+    assert estimate_prompt_tokens(strings_in(messages)) == 4
+    assert estimate_prompt_tokens([]) == 0
 
 
 def test_an_ascii_prompt_profile_is_shared_and_empty() -> None:

@@ -421,6 +421,8 @@ class Breakers:
         # taken or given back, the fleet's trips), so a reader may keep its answers while
         # the epoch stands and until the earliest `Exclusion.until` it was given.
         self.epoch = 0
+        # Keys with a hard exclusion whose streak an answer would end (see `record`).
+        self._streaks: set[BreakerKey] = set()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -429,30 +431,36 @@ class Breakers:
 
     def record(self, outcome: Attempted, now: float) -> list[Transition]:
         """Record one finished attempt; returns the transitions it caused."""
-        settings = self._settings_for(outcome.provider)
-        samples, hard, answered = _classify(outcome, settings, self._degraded_for(outcome.provider))
+        provider, model, machine = outcome.provider, outcome.model, outcome.machine
+        settings = self._settings_for(provider)
+        samples, hard, answered = _classify(outcome, settings, self._degraded_for(provider))
         transitions: list[Transition] = []
-        faults = {sample.key: sample for sample in samples if sample.signature is not None}
 
-        for key in covering_keys(outcome.provider, outcome.model, outcome.machine):
-            entry = self._entries.get(key)
-            if entry is None or not entry.open or now < entry.until:
-                continue  # closed, or open and this is a straggler: no state change
-            if outcome.started_at is not None and outcome.started_at < entry.opened_at:
-                continue  # sent before the trip: says nothing about the re-probe
-            half_opened = self._half_opened(entry)
-            if half_opened is not None:
-                transitions.append(half_opened)
-            fault = faults.get(key)
-            if fault is not None:
-                detail = f"the re-probe failed: {fault.signature}"
-                reason = FAMILY_REASONS[fault.family]
-                transitions.append(self._trip(entry, reason, Trigger.PROBE, detail, now, settings))
-            elif answered:
-                transitions.append(self._recover(entry, now))
-            else:
-                entry.probe_at = None  # inconclusive: let another probe through
-                self.epoch += 1
+        # Only an open key changes state on an outcome, and every open key is active: with
+        # no active key over this outcome (the common case) there is nothing to re-probe.
+        if self._covers(provider, model, machine):
+            faults = {sample.key: sample for sample in samples if sample.signature is not None}
+            for key in covering_keys(provider, model, machine):
+                entry = self._entries.get(key)
+                if entry is None or not entry.open or now < entry.until:
+                    continue  # closed, or open and this is a straggler: no state change
+                if outcome.started_at is not None and outcome.started_at < entry.opened_at:
+                    continue  # sent before the trip: says nothing about the re-probe
+                half_opened = self._half_opened(entry)
+                if half_opened is not None:
+                    transitions.append(half_opened)
+                fault = faults.get(key)
+                if fault is not None:
+                    detail = f"the re-probe failed: {fault.signature}"
+                    reason = FAMILY_REASONS[fault.family]
+                    transitions.append(
+                        self._trip(entry, reason, Trigger.PROBE, detail, now, settings)
+                    )
+                elif answered:
+                    transitions.append(self._recover(entry, now))
+                else:
+                    entry.probe_at = None  # inconclusive: let another probe through
+                    self.epoch += 1
 
         for sample in samples:
             entry = self._entry(sample.key, now)
@@ -468,15 +476,32 @@ class Breakers:
 
         if hard is not None:
             transitions.extend(self._impose(hard, outcome.retry_after, now, settings))
-        if answered:
-            for key in covering_keys(outcome.provider, outcome.model, outcome.machine):
+        if answered and self._streaks:
+            # An answer ends the streak of every exclusion over it that is no longer
+            # imposed (only keys with a streak are looked at).
+            for key in covering_keys(provider, model, machine):
+                if key not in self._streaks:
+                    continue
                 found = self._entries.get(key)
-                if found is not None:
-                    for exclusion in found.hard.values():
-                        if not (exclusion.active and exclusion.until > now):
-                            exclusion.streak = 0
+                if found is None:
+                    self._streaks.discard(key)
+                    continue
+                for exclusion in found.hard.values():
+                    if not (exclusion.active and exclusion.until > now):
+                        exclusion.streak = 0
+                if not any(exclusion.streak for exclusion in found.hard.values()):
+                    self._streaks.discard(key)
         self._evict(now)
         return transitions
+
+    def _covers(self, provider: str, model: str, machine: str | None) -> bool:
+        """Whether an active key (open, half-open or hard-excluded) covers the candidate."""
+        covering = self._covering
+        return bool(covering) and (
+            (provider, None, None) in covering
+            or (provider, model, None) in covering
+            or (machine is not None and (provider, model, machine) in covering)
+        )
 
     def _evaluate(
         self,
@@ -486,8 +511,6 @@ class Breakers:
         settings: BreakerSpec,
         now: float,
     ) -> Transition | None:
-        reason = FAMILY_REASONS[sample.family]
-        noun, faulty = _FAULTY[sample.family]
         # The rate arm, on every sample: the rate is over the window, whatever this one was,
         # and over the fleet's other pods' windows of the same key when they share them.
         count, faults = evidence.rate.count, evidence.rate.faults
@@ -500,13 +523,16 @@ class Breakers:
                 faults = round(faults * settings.rate_window / count)
                 count = settings.rate_window
         if count >= settings.rate_min_samples and faults > settings.rate_threshold * count:
+            noun, faulty = _FAULTY[sample.family]
             detail = (
                 f"{faults} of the last {count} {noun} {faulty}{where} "
                 f"({faults / count:.0%}), above {settings.rate_threshold:.0%}"
             )
+            reason = FAMILY_REASONS[sample.family]
             return self._trip(entry, reason, Trigger.RATE, detail, now, settings)
         if sample.signature is None:
             return None
+        reason = FAMILY_REASONS[sample.family]
         # The count arms, on a fault: novelty against the baseline, then a count in the burst.
         start = max(now - self._burst, evidence.counted_from)
         history = entry.signatures[sample.signature]
@@ -614,6 +640,7 @@ class Breakers:
             now - exclusion.last_at > settings.max_cooldown_seconds
         )
         exclusion.streak = 1 if stale else exclusion.streak + 1
+        self._streaks.add(entry.key)
         exclusion.last_at = now
         if told and retry_after is not None:
             duration = min(max(retry_after, 0.0), MAX_RETRY_AFTER_SECONDS)

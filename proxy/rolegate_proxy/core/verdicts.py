@@ -152,39 +152,44 @@ class PromptProfile:
 ASCII_PROMPT: Final = PromptProfile(is_ascii=True)
 
 
+# The non-ASCII characters of a text, found in C (a text's ASCII never enters the set).
+_NON_ASCII: Final = re.compile("[^\x00-\x7f]")
+
+
 def profile_texts(texts: Iterable[str]) -> PromptProfile:
     """The charset profile of some texts. Pure-ASCII texts cost one `isascii()` each."""
     chars: set[str] = set()
     for text in texts:
         if text.isascii():
             continue
-        chars.update(text)
-        if len(chars) > MAX_PROFILE_CHARS + 128:
+        chars.update(_NON_ASCII.findall(text))
+        if len(chars) > MAX_PROFILE_CHARS:
             return PromptProfile(is_ascii=False, overflow=True)
     if not chars:
         return ASCII_PROMPT
-    non_ascii = frozenset(c for c in chars if c > "\x7f")
-    if len(non_ascii) > MAX_PROFILE_CHARS:
-        return PromptProfile(is_ascii=False, overflow=True)
-    return PromptProfile(is_ascii=False, chars=non_ascii)
+    return PromptProfile(is_ascii=False, chars=frozenset(chars))
 
 
 def profile_prompt(messages: Any, tools: Any = None) -> PromptProfile:
     """The charset profile of a chat request: every string in its `messages` (content,
     content parts, tool-call arguments, names) and `tools`, since a model may echo any of it."""
-    return profile_texts(_strings([messages, tools]))
+    return profile_texts(strings_in([messages, tools]))
 
 
-def _strings(value: Any) -> Iterator[str]:
+def strings_in(value: Any) -> list[str]:
+    """Every string in a JSON value, at any depth, in no particular order (a list: the
+    request path walks a prompt's strings once and reads them twice)."""
+    found: list[str] = []
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
-            yield item
+            found.append(item)
         elif isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
+    return found
 
 
 # --- detection ------------------------------------------------------------------------------

@@ -95,7 +95,10 @@ class Call:
         if admission.limited is not None:
             raise rate_limited(admission.limited)
         chat = validate_chat_request(body, role)
-        refuse_unreachable(chat.caller, role, role_machines(role, self.config))
+        if chat.caller.narrows_machines:
+            # Only a caller's `only`/`ignore` can leave no machine: the role's machines are
+            # gathered for those requests alone.
+            refuse_unreachable(chat.caller, role, role_machines(role, self.config))
         response = await state.dispatcher.handle(
             self.request, chat, self.config, self.decision, self.headers
         )
@@ -126,11 +129,12 @@ class Call:
             )
         self.state.access.charge(outcome)
         self.state.outcomes.emit(outcome)
-        log.info(
-            "request id=%s role=%s status=%d outcome=%s ms=%.1f",
-            self.request_id, outcome.role or "-", self.status, outcome.outcome.value,
-            outcome.latency_seconds * 1000,
-        )  # fmt: skip
+        if log.isEnabledFor(logging.INFO):  # (its arguments are not worked out otherwise)
+            log.info(
+                "request id=%s role=%s status=%d outcome=%s ms=%.1f",
+                self.request_id, outcome.role or "-", self.status, outcome.outcome.value,
+                outcome.latency_seconds * 1000,
+            )  # fmt: skip
 
 
 def request_id(request: web.Request) -> str:

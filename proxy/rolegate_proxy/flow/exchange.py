@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from aiohttp import web
 
@@ -329,10 +329,14 @@ class Exchange:
 
     # -- one arm ----------------------------------------------------------------------
 
-    async def _try(self, attempt: Attempt, budget: float) -> web.StreamResponse | None:
+    def _try(
+        self, attempt: Attempt, budget: float
+    ) -> Coroutine[Any, Any, web.StreamResponse | None]:
+        """The arm, streamed or not, for the caller to await (returned, not awaited here: a
+        coroutine less for every step of the arm to pass through)."""
         if self.chat.stream:
-            return await StreamServer(self, attempt, budget).serve()
-        return await self._complete(attempt, budget)
+            return StreamServer(self, attempt, budget).serve()
+        return self._complete(attempt, budget)
 
     async def _complete(self, attempt: Attempt, budget: float) -> web.StreamResponse | None:
         silence = Silence.for_arm(attempt, budget, stream=False)

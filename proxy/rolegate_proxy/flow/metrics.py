@@ -78,6 +78,9 @@ class ProxyMetrics:
     def __init__(self, max_machines: int = MAX_MACHINE_LABELS) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # What the request path adds to counters, per series (a labelled child), until the
+        # next scrape adds it to the series (`_count`).
+        self._counts: dict[Any, float] = {}
         self.machine_label = MachineLabels(max_machines)
         self._scores = _ScoreGauges()
         self._score_views: Callable[[], Iterable[_Views]] = tuple
@@ -292,24 +295,41 @@ class ProxyMetrics:
             for grant, shares in self._allowance_rows().items()
             for limit, share in shares.items()
         )
+        self._flush_counts()
         return partial(_render, self.registry)
+
+    def _count(self, child: Any, amount: float = 1.0) -> None:
+        """`child.inc(amount)`, summed per series until the next scrape: a dictionary add
+        instead of prometheus_client's locked, checked increment, for the counters every
+        request feeds several times. Only the page reads these series (`scrape` adds
+        what is pending first), so it shows the same values."""
+        if amount < 0:
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
+        counts = self._counts
+        counts[child] = counts.get(child, 0.0) + amount
+
+    def _flush_counts(self) -> None:
+        counts, self._counts = self._counts, {}
+        for child, amount in counts.items():
+            child.inc(amount)
 
     def observe_outcomes(self, batch: Sequence[Outcome]) -> None:
         """The metrics consumer of the outcome channel."""
-        child, label = self._child, self.machine_label
+        child, label, count = self._child, self.machine_label, self._count
         for outcome in batch:
             role = outcome.role or "-"
-            child(self.requests, role, str(outcome.status), outcome.outcome.value).inc()
+            status = str(outcome.status)
+            count(child(self.requests, role, status, outcome.outcome.value))
             if (grant := outcome.grant) is not None:
-                child(self.grant_requests, grant, str(outcome.status)).inc()
+                count(child(self.grant_requests, grant, status))
                 if outcome.tokens:
-                    child(self.grant_tokens, grant).inc(outcome.tokens)
+                    count(child(self.grant_tokens, grant), outcome.tokens)
                 if outcome.cost_usd:
-                    child(self.grant_cost, grant).inc(outcome.cost_usd)
+                    count(child(self.grant_cost, grant), outcome.cost_usd)
             child(self.latency, role).observe(outcome.latency_seconds)
             for arm in outcome.arms:
                 machine = label(arm.provider, arm.machine or "")
-                child(self.arms, role, arm.provider, arm.model, machine, arm.result.value).inc()
+                count(child(self.arms, role, arm.provider, arm.model, machine, arm.result.value))
             provider, model = outcome.provider, outcome.model
             if provider is None or model is None:
                 continue
@@ -320,11 +340,11 @@ class ProxyMetrics:
             if outcome.ttft_seconds is not None:
                 child(self.ttft, role, provider, model, machine).observe(outcome.ttft_seconds)
             if outcome.tokens_in is not None:
-                child(self.tokens, role, provider, model, "in").inc(outcome.tokens_in)
+                count(child(self.tokens, role, provider, model, "in"), outcome.tokens_in)
             if outcome.tokens_out is not None:
-                child(self.tokens, role, provider, model, "out").inc(outcome.tokens_out)
+                count(child(self.tokens, role, provider, model, "out"), outcome.tokens_out)
             if outcome.cost_usd is not None:
-                child(self.cost, role, provider, model).inc(outcome.cost_usd)
+                count(child(self.cost, role, provider, model), outcome.cost_usd)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, remembered: prometheus_client takes a lock and
@@ -348,7 +368,7 @@ class ProxyMetrics:
         ).inc()
 
     def observe_verdict(self, provider: str, model: str, verdict: Verdict) -> None:
-        self._child(self.answers, provider, model).inc()
+        self._count(self._child(self.answers, provider, model))
         if verdict.kind is VerdictKind.OK:
             return
         signature = verdict.signature.value if verdict.signature else ""

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from rolegate_policy.config import ProxyConfig
+from rolegate_policy.config import CompiledMachine, ProxyConfig
 from rolegate_policy.status import ProtocolQuirk
 
 from ..core.arm_end import ArmEnd, Cause, arm_row, breaker_input, sighting
@@ -55,15 +55,21 @@ class Recorder:
         self.listeners: list[Callable[[Transition], None]] = []
         # (provider, quirk) -> [answers that showed it, when last seen]: the status notes.
         self._quirks: dict[tuple[str, ProtocolQuirk], list[float]] = {}
+        # The configuration last answered under, and its machines by (provider, model,
+        # machine) (see `_sheet`).
+        self._sheets: tuple[ProxyConfig | None, dict[tuple[str, str, str], CompiledMachine]] = (
+            None,
+            {},
+        )
 
-    def now(self) -> float:
-        return time.monotonic()
+    # The monotonic clock itself, not a method around it: asked a dozen times a request.
+    now = staticmethod(time.monotonic)
 
     def record(self, end: ArmEnd, decision: Decision, patience: float) -> None:
         now = self.now()
         attempted = breaker_input(end)
-        if attempted is not None:
-            self.transitions(self.breakers.record(attempted, now))
+        if attempted is not None and (transitions := self.breakers.record(attempted, now)):
+            self.transitions(transitions)
         key = None if end.machine is None else MachineKey(end.provider, end.model, end.machine)
         if key is not None:
             taught = sighting(end, self.ledger.current(key, now))
@@ -103,11 +109,32 @@ class Recorder:
             if answer.completion_tokens is None and end.streamed:
                 decision.tokens_out = answer.content_deltas
                 decision.tokens_estimated = True
-        decision.cost_usd = _cost(end, config, decision.tokens_in, decision.tokens_out)
+        decision.cost_usd = _cost(
+            self._sheet(config, end.provider, end.model, end.machine),
+            decision.tokens_in,
+            decision.tokens_out,
+        )
         if end.cause is not Cause.ANSWERED:
             decision.outcome = OutcomeKind.INCOMPLETE
         elif decision.first_content_at is None:
             decision.first_content_at = end.ended_at if end.first_at is None else end.first_at
+
+    def _sheet(
+        self, config: ProxyConfig, provider: str, model: str, machine: str | None
+    ) -> CompiledMachine | None:
+        """The configured machine serving `model` at `provider` (its published prices),
+        from an index of `config` made at its first answer: a model may list hundreds of
+        machines, and every answer's cost looks its machine up."""
+        held, sheets = self._sheets
+        if held is not config:
+            sheets = {}
+            for serving in config.providers:
+                for served in serving.models:
+                    for sheet in served.machines:
+                        # The first of a name, as a lookup by name finds it.
+                        sheets.setdefault((serving.name, served.name, sheet.name), sheet)
+            self._sheets = (config, sheets)
+        return None if machine is None else sheets.get((provider, model, machine))
 
     def _verdict(self, end: ArmEnd) -> None:
         verdict = end.verdict
@@ -164,12 +191,9 @@ class Recorder:
 
 
 def _cost(
-    end: ArmEnd, config: ProxyConfig, tokens_in: int | None, tokens_out: int | None
+    sheet: CompiledMachine | None, tokens_in: int | None, tokens_out: int | None
 ) -> float | None:
     """USD from the serving machine's published prices (the ranking's cost rule)."""
-    provider = config.provider(end.provider)
-    model = provider.model(end.model) if provider is not None else None
-    sheet = next((m for m in model.machines if m.name == end.machine), None) if model else None
     if sheet is None or tokens_in is None or tokens_out is None:
         return None
     return expected_cost(

@@ -14,7 +14,9 @@ from __future__ import annotations
 import contextvars
 import errno
 import weakref
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 import aiohttp
@@ -24,6 +26,7 @@ from aiohttp.connector import Connection
 from aiohttp.tracing import Trace
 
 from rolegate_policy.config import SecretRef
+from rolegate_policy.enums import Dialect
 
 from ..core.arm_end import Cause
 from ..core.exclusions import is_redirect
@@ -91,6 +94,10 @@ class ReuseTellingConnector(aiohttp.TCPConnector):
         return connection
 
 
+# Which request headers: a provider's dialect and key reference, and whether streamed.
+_HeaderSlot = tuple[Dialect, SecretRef | None, bool]
+
+
 @dataclass(frozen=True, slots=True)
 class Upstreams:
     """What every arm is sent with: one pooled session, one that never reuses a connection
@@ -99,6 +106,40 @@ class Upstreams:
     pooled: aiohttp.ClientSession
     fresh: aiohttp.ClientSession
     keys: KeySource
+    # The request headers last built per (dialect, key reference, streamed), with the key
+    # they were built with: every arm to a provider sends the same ones until its key
+    # changes (read-only: aiohttp copies them into each request).
+    _headers: dict[_HeaderSlot, tuple[str | None, Mapping[str, str]]] = field(default_factory=dict)
+
+    def headers(
+        self, wire: WireProtocol, attempt: Attempt, key: str | None, *, stream: bool
+    ) -> Mapping[str, str]:
+        """`wire.request_headers`, built once per provider key and kind of request."""
+        provider = attempt.provider
+        slot = (provider.dialect, provider.api_key_secret_ref, stream)
+        found = self._headers.get(slot)
+        if found is None or found[0] != key:
+            found = self._headers[slot] = (
+                key,
+                MappingProxyType(wire.request_headers(key, stream=stream)),
+            )
+        return found[1]
+
+
+# ClientTimeouts by (connect, read) seconds: the same few for every arm (a non-streamed
+# arm has no read timeout, see `send`); bounded, as a streamed arm's read bound varies.
+_TIMEOUTS: dict[tuple[float, float | None], aiohttp.ClientTimeout] = {}
+
+
+def _timeout(connect: float, read: float | None) -> aiohttp.ClientTimeout:
+    timeout = _TIMEOUTS.get((connect, read))
+    if timeout is None:
+        if len(_TIMEOUTS) >= 256:
+            _TIMEOUTS.clear()
+        timeout = _TIMEOUTS[(connect, read)] = aiohttp.ClientTimeout(
+            total=None, connect=None, sock_connect=connect, sock_read=read
+        )
+    return timeout
 
 
 class ArmFailed(Exception):
@@ -160,10 +201,13 @@ async def send(
             f"no API key for Secret {ref.name}/{ref.key}: set the {upstreams.keys.where(ref)}",
         )
     session = upstreams.fresh if fresh else upstreams.pooled
-    timeout = aiohttp.ClientTimeout(
-        total=None, connect=None, sock_connect=attempt.provider.timeouts.connect_seconds,
-        sock_read=silence.seconds,
-    )  # fmt: skip
+    # A streamed arm's reads are bounded by its silence. A non-streamed one is bounded as a
+    # whole by its caller (`arms.complete`: the silence from its sending), which always
+    # ends it before a read bound of the same length, started later, could: no per-read
+    # timer for it.
+    timeout = _timeout(
+        attempt.provider.timeouts.connect_seconds, silence.seconds if chat.stream else None
+    )
     reuse = _Reuse()
     sending = _SENDING.set(reuse)
     wire = WIRE[attempt.provider.dialect]
@@ -171,7 +215,7 @@ async def send(
         return await session.post(
             wire.chat_url(attempt.provider.endpoint),
             data=wire.request_body(chat.encoded, attempt.model.name, attempt.routing, chat.caller),
-            headers=wire.request_headers(key, stream=chat.stream),
+            headers=upstreams.headers(wire, attempt, key, stream=chat.stream),
             timeout=timeout,
             allow_redirects=False,
         )

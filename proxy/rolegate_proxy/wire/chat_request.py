@@ -13,7 +13,7 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 
-from ..core.verdicts import PromptProfile, profile_prompt
+from ..core.verdicts import PromptProfile, profile_texts, strings_in
 from .caller_provider import NO_PREFERENCES, CallerProvider, parse_caller_provider, refuse_bypass
 from .errors import ProxyError, bad_request
 
@@ -62,7 +62,10 @@ def too_deep() -> ProxyError:
 _READ_TOO_DEEP = "depth limit exceeded"
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made for every request, and a frozen dataclass sets each of its
+# fields through object.__setattr__. Nothing changes one once made (`continued` makes
+# another).
+@dataclass(slots=True)
 class ChatRequest:
     role: CompiledRole
     body: dict[str, Any]
@@ -213,31 +216,26 @@ def validate_chat_request(body: dict[str, Any], role: CompiledRole) -> ChatReque
             param="stream_options",
         )
     refuse_bypass(body, role)
+    # The prompt's strings, walked once: its size and its charset profile read them both
+    # (the profile also every string of `tools`, which a model may echo too).
+    texts = strings_in(messages)
+    tools = body.get("tools")
     return ChatRequest(
-        role=role,
-        body=body,
-        stream=stream,
-        prompt=profile_prompt(messages, body.get("tools")),
-        prompt_tokens=estimate_prompt_tokens(messages),
-        encoded=encode_body(body),
-        caller=parse_caller_provider(body.get("provider")),
+        role,
+        body,
+        stream,
+        profile_texts(texts if tools is None else [*texts, *strings_in(tools)]),
+        estimate_prompt_tokens(texts),
+        encode_body(body),
+        parse_caller_provider(body.get("provider")),
     )
 
 
-def estimate_prompt_tokens(messages: Any) -> int:
-    """A rough input size for the expected cost (about four characters a token): ranking
-    only compares machines on the same request, so a shared error cancels out."""
-    chars = 0
-    stack = [messages]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            chars += len(item)
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return chars // 4
+def estimate_prompt_tokens(texts: list[str]) -> int:
+    """A rough input size from the prompt's strings (`strings_in(messages)`) for the
+    expected cost (about four characters a token): ranking only compares machines on the
+    same request, so a shared error cancels out."""
+    return sum(map(len, texts)) // 4
 
 
 def _json_type(value: Any) -> str:
