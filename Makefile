@@ -58,7 +58,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/outcome_emit.py
 	$(BIN)/python bench/routing_decision.py
 
-# rolegate beside LiteLLM's proxy and Portkey's gateway (bench/peers.py): about 15 minutes,
+# rolegate beside LiteLLM's proxy and Portkey's gateway (bench/peers.py): about 14 minutes,
 # not part of `make bench`. The first run installs the pinned peers under
 # $${ROLEGATE_CACHE:-~/.cache/rolegate}/bench-peers (PyPI and npm), later runs reuse them.
 # Quicker, rolegate alone: .venv/bin/python bench/peers.py --targets rolegate
@@ -66,7 +66,7 @@ bench-peers: $(STAMP)
 	$(BIN)/python bench/peers.py
 
 # rolegate's request path with one model on 1, 10, 100 and 1,000 aggregator machines
-# (bench/machines.py): about two minutes.
+# (bench/machines.py): about a minute.
 bench-machines: $(STAMP)
 	$(BIN)/python bench/machines.py
 

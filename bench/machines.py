@@ -17,7 +17,7 @@ median (rolegate minus its direct baseline), and the peak RSS; each as a ratio t
 1-machine figure. The goal being worked toward is at most 1.5x at 1,000 machines.
 
 Run: `make bench-machines` (or `.venv/bin/python bench/machines.py [--rounds 5]
-[--requests 300]`), about two minutes. The result is written to bench/results/machines.txt.
+[--requests 300]`), about a minute. The result is written to bench/results/machines.txt.
 """
 
 from __future__ import annotations

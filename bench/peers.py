@@ -25,7 +25,7 @@ before and after each block); added latency to the last byte, p50 and p99 at con
 the tree); and, from the CPU, what one chunk costs, bursty and paced.
 
 Run: `make bench-peers` (or `.venv/bin/python bench/peers.py [--rounds 5] [--requests 200]
-[--targets rolegate]`); a full run takes about 10 minutes, the first one a minute more to
+[--targets rolegate]`); a full run takes about 14 minutes, the first one a minute more to
 install the peers. The result is written to bench/results/peers.txt.
 """
 
