@@ -349,7 +349,9 @@ class AccessGate:
             )
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made for every request (a frozen dataclass sets each field through
+# object.__setattr__). Nothing changes one once made: hashed as if frozen.
+@dataclass(slots=True, unsafe_hash=True)
 class Admission:
     """The grant a request is counted against, and the limit refusing it now, if any."""
 
