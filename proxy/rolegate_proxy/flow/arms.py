@@ -8,7 +8,6 @@ the recorder.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -132,7 +131,7 @@ async def complete(upstreams: Upstreams, run: ArmRun, chat: ChatRequest, *, fres
     silence bound from its sending, whatever keep-alive whitespace comes before it."""
     silence = run.silence
     try:
-        async with asyncio.timeout(silence.seconds):
+        async with upstreams.deadlines.within(silence.seconds):
             response = await post(upstreams, run, chat, fresh=fresh)
             try:
                 raw = await response.read()
@@ -172,7 +171,7 @@ async def open_stream(
     and raises ArmFailed."""
     silence = run.silence
     try:
-        async with asyncio.timeout(silence.seconds):
+        async with upstreams.deadlines.within(silence.seconds):
             return await _opened(upstreams, run, chat, hooks)
     except TimeoutError as error:
         raise failed_in_transport(error, silence, headers_in=True, content_in=False) from None
