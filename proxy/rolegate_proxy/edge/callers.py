@@ -320,8 +320,10 @@ class AccessGate:
     def may_use_some_role(self, subject: Subject) -> None:
         """Raises 401 (anonymous) or 403 (known) when no grant gives `subject` a role:
         before a caller without rights learns anything about the roles."""
-        if not any(grant.roles for grant in self.grants.of(subject)):
-            raise not_admitted(subject, "is granted no role", "with a role")
+        for grant in self.grants.of(subject):
+            if grant.roles:
+                return
+        raise not_admitted(subject, "is granted no role", "with a role")
 
     def roles_of(self, subject: Subject, config: ProxyConfig) -> tuple[str, ...]:
         """The roles `subject` may use: all that its errors and `/v1/models` may name."""

@@ -74,22 +74,30 @@ class ArmRun:
         answer: Answered | None = None,
     ) -> ArmEnd:
         watch = self.watch
+        attempt = self.attempt
+        # Positional, in the fields' order: passed by keyword, twenty fields cost more to
+        # match by name than to make the record.
         return ArmEnd(
-            provider=self.attempt.provider.name,
-            model=self.attempt.model.name,
-            machine=self.machine,
-            cause=cause,
-            started_at=self.started,
-            ended_at=at,
-            streamed=self.streamed,
-            direct=not self.attempt.is_aggregator,
-            named=self.named is not None,
-            first_at=None if watch is None else watch.first_at,
-            gaps=NO_GAPS if watch is None else watch.gaps,
-            verdict=verdict,
-            answer=answer,
-            act=self.act,
-            detail=detail,
+            attempt.provider.name,  # provider
+            attempt.model.name,  # model
+            self.machine,  # machine
+            cause,  # cause
+            self.started,  # started_at
+            at,  # ended_at
+            self.streamed,  # streamed
+            not attempt.is_aggregator,  # direct
+            self.named is not None,  # named
+            None if watch is None else watch.first_at,  # first_at
+            NO_GAPS if watch is None else watch.gaps,  # gaps
+            None,  # status
+            None,  # error_code
+            None,  # request_fault
+            None,  # retry_after
+            verdict,  # verdict
+            answer,  # answer
+            self.act,  # act
+            False,  # delivered
+            detail,  # detail
         )
 
     def failed(self, failure: ArmFailed, at: float) -> ArmEnd:
