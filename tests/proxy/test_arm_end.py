@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rolegate_proxy.core.arm_end import (
@@ -15,10 +17,15 @@ from rolegate_proxy.core.arm_end import (
     breaker_input,
     sighting,
 )
-from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
+from rolegate_proxy.core.beliefs import NO_GAPS, GapStats, Ledger, MachineKey, Sighting
 from rolegate_proxy.core.breaker import TransportFault
-from rolegate_proxy.core.outcomes import ArmResult
+from rolegate_proxy.core.outcomes import ArmAct, ArmResult
+from rolegate_proxy.core.routing import Attempt, MachineRouting
 from rolegate_proxy.core.verdicts import OK, Verdict, VerdictKind
+from rolegate_proxy.flow.arms import ArmRun
+from rolegate_proxy.flow.upstream import Silence
+
+from ..support import published_sheet
 
 KEY = MachineKey("agg", "vendor/model", "m1")
 
@@ -148,3 +155,37 @@ def test_results_on_the_record() -> None:
     assert arm_result(end(Cause.STALE_CONNECTION), patience=5) is ArmResult.STALE_CONNECTION
     for cause in Cause:  # every cause has a result
         arm_result(end(cause, status=503), patience=5)
+
+
+def test_an_arm_run_ends_with_every_fact_it_saw() -> None:
+    config = published_sheet("agg", "vendor/model", [("m1", 1.0, 50.0), ("m2", None, None)])
+    provider = config.providers[0]
+    run = ArmRun(
+        Attempt(provider, provider.models[0], MachineRouting.only("m2")), 10.0, False,
+        Silence(30.0, False), act=ArmAct.RACED,
+    )  # fmt: skip
+    run.named = "m1"
+    answer = Answered("stop", 3, 5)
+    ended = run.end(Cause.ANSWERED, 12.5, "answered", verdict=OK, answer=answer)
+    assert {field.name: getattr(ended, field.name) for field in dataclasses.fields(ended)} == {
+        "provider": "agg",
+        "model": "vendor/model",
+        "machine": "m1",
+        "cause": Cause.ANSWERED,
+        "started_at": 10.0,
+        "ended_at": 12.5,
+        "streamed": False,
+        "direct": False,
+        "named": True,
+        "first_at": None,
+        "gaps": NO_GAPS,
+        "status": None,
+        "error_code": None,
+        "request_fault": None,
+        "retry_after": None,
+        "verdict": OK,
+        "answer": answer,
+        "act": ArmAct.RACED,
+        "delivered": False,
+        "detail": "answered",
+    }

@@ -34,6 +34,18 @@ def test_a_namespace_grant_admits_its_accounts_to_its_roles_only() -> None:
     assert grants.admitting(Subject.service_account("team-b", "coder"), "reflex") == (CODER,)
 
 
+def test_grants_asked_about_callers_in_turn_answer_each_its_own() -> None:
+    grants = Grants([AGENTS, CI, CODER, LOCAL])
+    coder = Subject.service_account("team-b", "coder")
+    agent = Subject.service_account("team-a", "anyone")
+    for _ in range(2):  # each question after another caller's, and after its own
+        for caller, expected in ((coder, (CODER,)), (ANONYMOUS, (LOCAL,)), (agent, (AGENTS,))):
+            assert grants.of(caller) == expected
+            assert grants.of(caller) == expected
+        # An equal subject that is another object: the same grants.
+        assert grants.of(Subject.service_account("team-b", "coder")) == (CODER,)
+
+
 def test_anonymous_callers_need_a_grant_that_says_so() -> None:
     assert Grants([AGENTS, CI]).admitting(ANONYMOUS, "agent") == ()
     assert Grants([LOCAL]).admitting(ANONYMOUS, "anything") == (LOCAL,)

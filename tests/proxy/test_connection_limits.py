@@ -157,6 +157,44 @@ async def test_a_connection_that_sends_nothing_is_closed_at_the_header_limit_wit
         assert await _until_closed(reader, LIMIT + MARGIN) == b""
 
 
+async def _answered_healthz(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: proxy\r\n\r\n")
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    length = next(
+        int(line.split(b":")[1]) for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )  # fmt: skip
+    await reader.readexactly(length)
+
+
+async def test_each_head_on_a_kept_alive_connection_has_the_limit_from_its_first_byte(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    proxy = await _proxy(
+        sim_server, proxy_server, header_timeout_seconds=LIMIT, idle_timeout_seconds=60
+    )
+    lines = [HEAD, *(f"X-Slow-{i}: {i}\r\n".encode() for i in range(200))]
+    # The next head begins while the limit of the connection's first one is still running
+    # (so its check comes before this head's limit), or after it ran out on an idle
+    # connection (so nothing checks until this head begins).
+    for opening_pause, idle in ((LIMIT * 0.6, 0.0), (0.0, LIMIT * 2)):
+        async with _connection(proxy) as (reader, writer):
+            await asyncio.sleep(opening_pause)
+            await _answered_healthz(reader, writer)
+            await asyncio.sleep(idle)
+            began = time.monotonic()
+            trickling = asyncio.create_task(_trickle(writer, lines, every=0.1))
+            try:
+                received = await _until_closed(reader, LIMIT + MARGIN)
+            finally:
+                trickling.cancel()
+            took = time.monotonic() - began
+        # Closed at this head's limit: not at the first one's, nor never.
+        assert LIMIT * 0.8 <= took <= LIMIT + MARGIN, (opening_pause, idle, took)
+        assert _error(received, 408)["code"] == "header_timeout"
+
+
 # --- the body -------------------------------------------------------------------------------
 
 

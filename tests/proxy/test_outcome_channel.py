@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from rolegate_proxy.core.decisions import Decision
 from rolegate_proxy.core.outcomes import (
     Arm,
     ArmAct,
@@ -371,3 +372,54 @@ async def test_a_batch_being_written_when_the_exporter_stops_is_not_lost(tmp_pat
     # The write in flight finished before the exporter closed its file.
     assert (exporter.written, exporter.dropped) == (1, 0)
     assert [line["request_id"] for line in _lines(target)] == ["last-batch"]
+
+
+def test_a_finished_decision_carries_every_field_into_its_outcome() -> None:
+    decision = Decision(
+        request_id="req-1", role="agent", ruling="Order", started_at=100.0, stream=True,
+        patience_seconds=30.0, grant="team/g",
+    )  # fmt: skip
+    decision.started_wall = 1_760_000_000.0
+    decision.arm(Arm("agg", "vendor/model", "m1", ArmResult.OK, 200, 1.25, 0.25))
+    decision.skip("agg", "vendor/model", "m2", "slow")
+    decision.served_provider, decision.served_model, decision.served_machine = (
+        "agg", "vendor/model", "m1",
+    )  # fmt: skip
+    decision.finish_reason, decision.verdict = "stop", "ok"
+    decision.tokens_in, decision.tokens_out, decision.tokens_estimated = 7, 11, True
+    decision.cost_usd, decision.first_content_at, decision.error_code = 0.5, 100.25, "late"
+    outcome = decision.finish(
+        outcome=OutcomeKind.ANSWERED, status=200, now=101.5, config_hash="abc"
+    )
+    assert dataclasses.asdict(outcome) == {
+        "request_id": "req-1",
+        "role": "agent",
+        "outcome": OutcomeKind.ANSWERED,
+        "status": 200,
+        "stream": True,
+        "started_at": 1_760_000_000.0,
+        "latency_seconds": 1.5,
+        "ttft_seconds": 0.25,
+        "ruling": "Order",
+        "patience_seconds": 30.0,
+        "grant": "team/g",
+        "provider": "agg",
+        "model": "vendor/model",
+        "machine": "m1",
+        "finish_reason": "stop",
+        "verdict": "ok",
+        "tokens_in": 7,
+        "tokens_out": 11,
+        "tokens_estimated": True,
+        "cost_usd": 0.5,
+        "arms": (dataclasses.asdict(decision.arms[0]),),
+        "skipped": (dataclasses.asdict(decision.skips[0]),),
+        "config_hash": "abc",
+        "error_code": "late",
+    }
+    # The dispatcher's own word wins over "answered"; the caller's error code over its own.
+    decision.outcome = OutcomeKind.INCOMPLETE
+    later = decision.finish(
+        outcome=OutcomeKind.ANSWERED, status=200, now=102.0, config_hash="abc", error_code="x"
+    )
+    assert (later.outcome, later.error_code) == (OutcomeKind.INCOMPLETE, "x")

@@ -76,6 +76,8 @@ class Grants:
         self._by_key: dict[str, list[CompiledGrant]] = {}
         self._anonymous: list[CompiledGrant] = []
         self._of: dict[Subject, tuple[CompiledGrant, ...]] = {}
+        self._last_subject: Subject | None = None
+        self._last_grants: tuple[CompiledGrant, ...] = ()
         for grant in grants:
             for account in grant.service_accounts:
                 self._by_account.setdefault(account, []).append(grant)
@@ -93,11 +95,16 @@ class Grants:
         """Every grant for `subject`, in name order. Asked two or three times per request
         (any role at all, this role, admin), so remembered per subject for the life of
         these grants (bounded: forgotten wholesale past `MAX_REMEMBERED`)."""
+        if subject is self._last_subject:
+            # The same caller as the question before (the anonymous one is one object, and
+            # a ServiceAccount's verdict keeps its subject): no hashing of a dataclass.
+            return self._last_grants
         found = self._of.get(subject)
         if found is None:
             if len(self._of) >= MAX_REMEMBERED:
                 self._of.clear()
             found = self._of[subject] = self._find(subject)
+        self._last_subject, self._last_grants = subject, found
         return found
 
     def _find(self, subject: Subject) -> tuple[CompiledGrant, ...]:
@@ -114,9 +121,8 @@ class Grants:
 
     def admitting(self, subject: Subject, role: str) -> tuple[CompiledGrant, ...]:
         """Every grant that admits `subject` to `role`, in name order."""
-        return tuple(
-            grant for grant in self.of(subject) if role in grant.roles or EVERY_ROLE in grant.roles
-        )
+        granted = [g for g in self.of(subject) if role in g.roles or EVERY_ROLE in g.roles]
+        return tuple(granted)
 
     def roles_for(self, subject: Subject, roles: Iterable[str]) -> tuple[str, ...]:
         """Those of `roles` some grant admits `subject` to, in their order."""

@@ -79,7 +79,10 @@ class MachineKey(NamedTuple):
 # --- what one arm saw -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made for every content chunk of a stream (and every non-streamed
+# answer), and a frozen dataclass sets each field through object.__setattr__, three times
+# slower. Nothing changes one once made (`add` makes another): hashed as if frozen.
+@dataclass(slots=True, unsafe_hash=True)
 class GapStats:
     """Sufficient statistics of a stream's per-token gaps on the log scale: how many, the
     sum of log gaps and the sum of their squares (seconds)."""

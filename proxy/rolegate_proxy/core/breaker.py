@@ -243,10 +243,11 @@ def _transport_key(outcome: Attempted, settings: BreakerSpec) -> BreakerKey:
 
 
 def _classify(
-    outcome: Attempted, settings: BreakerSpec, degraded: DegradedOutputSpec
+    outcome: Attempted, settings: BreakerSpec, degraded: Callable[[str], DegradedOutputSpec]
 ) -> tuple[list[_Sample], _Hard | None, bool]:
     """The samples an outcome contributes, the hard exclusion it imposes, and whether it was
-    an answer (a 2xx that completed)."""
+    an answer (a 2xx that completed). `degraded` gives a provider's degraded-output
+    settings, asked only of an answer whose verdict has a signature."""
     status = outcome.status
     if outcome.transport is not None:
         fault = outcome.transport.value
@@ -274,7 +275,9 @@ def _classify(
     return samples, None, True
 
 
-def _verdict_samples(outcome: Attempted, degraded: DegradedOutputSpec) -> list[_Sample]:
+def _verdict_samples(
+    outcome: Attempted, degraded_for: Callable[[str], DegradedOutputSpec]
+) -> list[_Sample]:
     """What an answer's verdict is evidence of, as the signature table says: a counted
     fault on its rule's key; for a diagnostic signature, a clean sample of its family (the
     answer could have shown that fault and did not); for every answer that is not itself
@@ -289,6 +292,7 @@ def _verdict_samples(outcome: Attempted, degraded: DegradedOutputSpec) -> list[_
         return [clean_content]
     samples = [] if rule.family is Family.CONTENT else [clean_content]
     key = _rule_key(rule, outcome)
+    degraded = degraded_for(outcome.provider)
     if verdict.counts(degraded):
         samples.append(_Sample(rule.family, key, verdict.signature.value))
     elif not rule.acts and rule.toggle(degraded):
@@ -433,7 +437,7 @@ class Breakers:
         """Record one finished attempt; returns the transitions it caused."""
         provider, model, machine = outcome.provider, outcome.model, outcome.machine
         settings = self._settings_for(provider)
-        samples, hard, answered = _classify(outcome, settings, self._degraded_for(provider))
+        samples, hard, answered = _classify(outcome, settings, self._degraded_for)
         transitions: list[Transition] = []
 
         # Only an open key changes state on an outcome, and every open key is active: with

@@ -83,31 +83,33 @@ class Decision:
             else outcome
         )
         ttft = None if self.first_content_at is None else self.first_content_at - self.started_at
+        # Positional, in the fields' order: passed by keyword, two dozen fields cost more
+        # to match by name than to make the record.
         return Outcome(
-            request_id=self.request_id,
-            role=self.role,
-            outcome=kind,
-            status=status,
-            stream=self.stream,
-            started_at=self.started_wall,
-            latency_seconds=now - self.started_at,
-            ttft_seconds=ttft,
-            ruling=self.ruling,
-            patience_seconds=self.patience_seconds,
-            grant=self.grant,
-            provider=self.served_provider,
-            model=self.served_model,
-            machine=self.served_machine,
-            finish_reason=self.finish_reason,
-            verdict=self.verdict,
-            tokens_in=self.tokens_in,
-            tokens_out=self.tokens_out,
-            tokens_estimated=self.tokens_estimated,
-            cost_usd=self.cost_usd,
-            arms=tuple(self.arms),
-            skipped=tuple(self.skips),
-            config_hash=config_hash,
-            error_code=error_code or self.error_code,
+            self.request_id,  # request_id
+            self.role,  # role
+            kind,  # outcome
+            status,  # status
+            self.stream,  # stream
+            self.started_wall,  # started_at
+            now - self.started_at,  # latency_seconds
+            ttft,  # ttft_seconds
+            self.ruling,  # ruling
+            self.patience_seconds,  # patience_seconds
+            self.grant,  # grant
+            self.served_provider,  # provider
+            self.served_model,  # model
+            self.served_machine,  # machine
+            self.finish_reason,  # finish_reason
+            self.verdict,  # verdict
+            self.tokens_in,  # tokens_in
+            self.tokens_out,  # tokens_out
+            self.tokens_estimated,  # tokens_estimated
+            self.cost_usd,  # cost_usd
+            tuple(self.arms),  # arms
+            tuple(self.skips),  # skipped
+            config_hash,  # config_hash
+            error_code or self.error_code,  # error_code
         )
 
 

@@ -131,7 +131,10 @@ _HIGH: Final = {
 MAX_PROFILE_CHARS: Final = 8192
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made for every request with a non-ASCII prompt (a frozen dataclass
+# sets each field through object.__setattr__). Nothing changes one once made: hashed as
+# if frozen.
+@dataclass(slots=True, unsafe_hash=True)
 class PromptProfile:
     """What the answer's checker needs to know about the prompt, computed once per request:
     whether it was pure ASCII and which non-ASCII characters it held. Never the text."""

@@ -320,8 +320,10 @@ class AccessGate:
     def may_use_some_role(self, subject: Subject) -> None:
         """Raises 401 (anonymous) or 403 (known) when no grant gives `subject` a role:
         before a caller without rights learns anything about the roles."""
-        if not any(grant.roles for grant in self.grants.of(subject)):
-            raise not_admitted(subject, "is granted no role", "with a role")
+        for grant in self.grants.of(subject):
+            if grant.roles:
+                return
+        raise not_admitted(subject, "is granted no role", "with a role")
 
     def roles_of(self, subject: Subject, config: ProxyConfig) -> tuple[str, ...]:
         """The roles `subject` may use: all that its errors and `/v1/models` may name."""
@@ -349,7 +351,9 @@ class AccessGate:
             )
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made for every request (a frozen dataclass sets each field through
+# object.__setattr__). Nothing changes one once made: hashed as if frozen.
+@dataclass(slots=True, unsafe_hash=True)
 class Admission:
     """The grant a request is counted against, and the limit refusing it now, if any."""
 

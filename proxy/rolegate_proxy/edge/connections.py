@@ -109,6 +109,7 @@ class GuardedHandler(OpenAIErrorHandler):
         "_counted",
         "_guard",
         "_head_begun",
+        "_head_deadline",
         "_head_timer",
         "_linger",
         "_refused",
@@ -122,6 +123,11 @@ class GuardedHandler(OpenAIErrorHandler):
         self._awaiting_head = False
         # Some byte of that head has come.
         self._head_begun = False
+        # When the head under way is late (None: no head is under way). One timer checks
+        # it, re-armed only when it finds the deadline moved on (as aiohttp keeps its
+        # keep-alive timer): a timer made and cancelled for every request cost more than
+        # the rest of this class.
+        self._head_deadline: float | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._body_late = False
@@ -140,7 +146,7 @@ class GuardedHandler(OpenAIErrorHandler):
         guard.open += 1
         self._counted = True
         self._awaiting_head = True
-        self._head_timer = self._loop.call_later(guard.limits.header_seconds, self._head_late)
+        self._head_due(self._loop.time() + guard.limits.header_seconds)
         super().connection_made(transport)
 
     def _refuse(self, transport: asyncio.Transport) -> None:
@@ -182,15 +188,23 @@ class GuardedHandler(OpenAIErrorHandler):
             return  # read and dropped
         if self._awaiting_head and data:
             self._head_begun = True
-            if self._head_timer is None:
-                self._head_timer = self._loop.call_later(
-                    self._guard.limits.header_seconds, self._head_late
-                )
+            if self._head_deadline is None:
+                self._head_due(self._loop.time() + self._guard.limits.header_seconds)
         super().data_received(data)
 
-    def _head_late(self) -> None:
+    def _head_due(self, deadline: float) -> None:
+        self._head_deadline = deadline
+        if self._head_timer is None:
+            self._head_timer = self._loop.call_at(deadline, self._head_check)
+
+    def _head_check(self) -> None:
         self._head_timer = None
-        if not self._awaiting_head or self.transport is None:
+        deadline = self._head_deadline
+        if deadline is None or not self._awaiting_head or self.transport is None:
+            return  # no head under way: the next one's first byte sets the timer again
+        if self._loop.time() < deadline:
+            # A later head than the one this timer was set for.
+            self._head_timer = self._loop.call_at(deadline, self._head_check)
             return
         seconds = self._guard.limits.header_seconds
         if self._head_begun:
@@ -210,7 +224,7 @@ class GuardedHandler(OpenAIErrorHandler):
         its body's begins unless the body is in already."""
         self._awaiting_head = False
         self._head_begun = False
-        self._stop_head_timer()
+        self._head_deadline = None  # (its timer, if still set, finds none when it fires)
         if not payload.is_eof():
             self._body_timer = self._loop.call_later(
                 self._guard.limits.body_seconds, self._body_late_for, payload

@@ -60,18 +60,21 @@ class ServedIndex:
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
         self.capacity = capacity
         self._served: OrderedDict[str, ServedRequest | None] = OrderedDict()
-        self._keys: dict[MachineKey, MachineKey] = {}
+        self._keys: dict[tuple[str, str, str], MachineKey] = {}
 
     def __call__(self, batch: Sequence[Outcome]) -> None:
         for outcome in batch:
             served: ServedRequest | None = None
             answered = outcome.outcome in (OutcomeKind.ANSWERED, OutcomeKind.INCOMPLETE)
             if answered and outcome.provider and outcome.model and outcome.machine:
-                key = MachineKey(outcome.provider, outcome.model, outcome.machine)
-                # One key object per machine, shared by its requests (memory, at 50,000).
-                key = self._keys.setdefault(key, key)
-                if len(self._keys) > MAX_KEYS:
-                    self._keys.clear()
+                # One key object per machine, shared by its requests (memory, at 50,000),
+                # found by a plain tuple (equal to it, and made in C).
+                key = self._keys.get((outcome.provider, outcome.model, outcome.machine))
+                if key is None:
+                    key = MachineKey(outcome.provider, outcome.model, outcome.machine)
+                    self._keys[key] = key
+                    if len(self._keys) > MAX_KEYS:
+                        self._keys.clear()
                 served = ServedRequest(key, outcome.role)
             self._served[outcome.request_id] = served
             self._served.move_to_end(outcome.request_id)

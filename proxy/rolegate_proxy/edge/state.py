@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from rolegate_policy.config import (
+    CompiledProvider,
     ProxyConfig,
 )
 from rolegate_policy.model import (
@@ -61,6 +62,10 @@ class ProxyState:
     report_listeners: list[Callable[[], None]] = field(default_factory=list)
     # Who may call, from the configuration's AccessGrants and the keys read for them.
     access: AccessGate = field(init=False)
+    # The configuration's providers by name, for the configuration they index (`_provider`).
+    _providers: tuple[ProxyConfig | None, dict[str, CompiledProvider]] = field(
+        init=False, default=(None, {}), repr=False
+    )
 
     def __post_init__(self) -> None:
         settings = self.settings
@@ -129,12 +134,24 @@ class ProxyState:
         return len(batch)
 
     def _breaker_settings(self, provider: str) -> BreakerSpec:
-        found = self.config.provider(provider)
+        found = self._provider(provider)
         return found.breaker if found is not None else BreakerSpec()
 
     def _degraded_settings(self, provider: str) -> DegradedOutputSpec:
-        found = self.config.provider(provider)
+        found = self._provider(provider)
         return found.degraded_output if found is not None else DegradedOutputSpec()
+
+    def _provider(self, name: str) -> CompiledProvider | None:
+        """`config.provider(name)` from an index of the configuration served: the breakers
+        ask for every attempt recorded, and a configuration may have many providers."""
+        config, index = self._providers
+        if config is not self.config:
+            config = self.config
+            index = {}
+            for provider in config.providers:
+                index.setdefault(provider.name, provider)  # the first of a name, as a scan
+            self._providers = (config, index)
+        return index.get(name)
 
     def _allowances_left(self) -> dict[str, dict[str, float]]:
         left = self.access.allowances.remaining(self.dispatcher.now())

@@ -8,7 +8,6 @@ the recorder.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,22 +74,30 @@ class ArmRun:
         answer: Answered | None = None,
     ) -> ArmEnd:
         watch = self.watch
+        attempt = self.attempt
+        # Positional, in the fields' order: passed by keyword, twenty fields cost more to
+        # match by name than to make the record.
         return ArmEnd(
-            provider=self.attempt.provider.name,
-            model=self.attempt.model.name,
-            machine=self.machine,
-            cause=cause,
-            started_at=self.started,
-            ended_at=at,
-            streamed=self.streamed,
-            direct=not self.attempt.is_aggregator,
-            named=self.named is not None,
-            first_at=None if watch is None else watch.first_at,
-            gaps=NO_GAPS if watch is None else watch.gaps,
-            verdict=verdict,
-            answer=answer,
-            act=self.act,
-            detail=detail,
+            attempt.provider.name,  # provider
+            attempt.model.name,  # model
+            self.machine,  # machine
+            cause,  # cause
+            self.started,  # started_at
+            at,  # ended_at
+            self.streamed,  # streamed
+            not attempt.is_aggregator,  # direct
+            self.named is not None,  # named
+            None if watch is None else watch.first_at,  # first_at
+            NO_GAPS if watch is None else watch.gaps,  # gaps
+            None,  # status
+            None,  # error_code
+            None,  # request_fault
+            None,  # retry_after
+            verdict,  # verdict
+            answer,  # answer
+            self.act,  # act
+            False,  # delivered
+            detail,  # detail
         )
 
     def failed(self, failure: ArmFailed, at: float) -> ArmEnd:
@@ -132,7 +139,7 @@ async def complete(upstreams: Upstreams, run: ArmRun, chat: ChatRequest, *, fres
     silence bound from its sending, whatever keep-alive whitespace comes before it."""
     silence = run.silence
     try:
-        async with asyncio.timeout(silence.seconds):
+        async with upstreams.deadlines.within(silence.seconds):
             response = await post(upstreams, run, chat, fresh=fresh)
             try:
                 raw = await response.read()
@@ -172,7 +179,7 @@ async def open_stream(
     and raises ArmFailed."""
     silence = run.silence
     try:
-        async with asyncio.timeout(silence.seconds):
+        async with upstreams.deadlines.within(silence.seconds):
             return await _opened(upstreams, run, chat, hooks)
     except TimeoutError as error:
         raise failed_in_transport(error, silence, headers_in=True, content_in=False) from None

@@ -21,7 +21,7 @@ from ..core.exclusions import (
     BreakerView,
     Transition,
 )
-from ..core.outcomes import Outcome
+from ..core.outcomes import Arm, Outcome
 from ..core.score import ScoreView
 from ..core.verdicts import Verdict, VerdictKind
 
@@ -33,6 +33,21 @@ TTFT_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30
 MAX_MACHINE_LABELS: Final = 100
 # The label shared by the machines past that limit.
 OTHER_MACHINES: Final = "other"
+
+
+class _OutcomeSeries(NamedTuple):
+    """The series one kind of outcome feeds (but its arms'): None where it feeds none."""
+
+    requests: Any
+    grant_requests: Any
+    grant_tokens: Any
+    grant_cost: Any
+    latency: Any
+    served: Any = None
+    ttft: Any = None
+    tokens_in: Any = None
+    tokens_out: Any = None
+    cost: Any = None
 
 
 class MachineLabels:
@@ -51,8 +66,12 @@ class MachineLabels:
         self._limit = limit
         self._configured: dict[str, frozenset[str]] = {}
         self._named: dict[str, set[str]] = {}
+        # Changes with every configuration: until then, a name's label stays what it was
+        # (a name is labelled once and keeps it; only the configured set can change that).
+        self.generation = 0
 
     def configure(self, config: ProxyConfig) -> None:
+        self.generation += 1
         self._configured = {
             provider.name: frozenset(
                 machine.name for model in provider.models for machine in model.machines
@@ -78,6 +97,11 @@ class ProxyMetrics:
     def __init__(self, max_machines: int = MAX_MACHINE_LABELS) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # The series outcomes and arms feed, by what selects them (see `observe_outcomes`),
+        # labelled in the machine labels' generation `_labelled`.
+        self._outcome_series: dict[tuple[object, ...], _OutcomeSeries] = {}
+        self._arm_series: dict[tuple[object, ...], Any] = {}
+        self._labelled = 0
         # What the request path adds to counters, per series (a labelled child), until the
         # next scrape adds it to the series (`_count`).
         self._counts: dict[Any, float] = {}
@@ -314,37 +338,93 @@ class ProxyMetrics:
             child.inc(amount)
 
     def observe_outcomes(self, batch: Sequence[Outcome]) -> None:
-        """The metrics consumer of the outcome channel."""
-        child, label, count = self._child, self.machine_label, self._count
+        """The metrics consumer of the outcome channel.
+
+        An outcome feeds a dozen series, nearly always the same ones as the outcome before
+        it: they are looked up together, by what selects them (`_OutcomeSeries`), and made
+        with the first outcome that feeds them, as one by one. A machine's label is worked
+        out then: labels change only with the configuration, which starts them over."""
+        if self._labelled != self.machine_label.generation or (
+            len(self._outcome_series) + len(self._arm_series) >= MAX_CACHED_SERIES
+        ):
+            self._labelled = self.machine_label.generation
+            self._outcome_series.clear()
+            self._arm_series.clear()
+        count = self._count
         for outcome in batch:
-            role = outcome.role or "-"
-            status = str(outcome.status)
-            count(child(self.requests, role, status, outcome.outcome.value))
-            if (grant := outcome.grant) is not None:
-                count(child(self.grant_requests, grant, status))
-                if outcome.tokens:
-                    count(child(self.grant_tokens, grant), outcome.tokens)
-                if outcome.cost_usd:
-                    count(child(self.grant_cost, grant), outcome.cost_usd)
-            child(self.latency, role).observe(outcome.latency_seconds)
+            tokens, cost = outcome.tokens, outcome.cost_usd
+            key = (
+                outcome.role, outcome.status, outcome.outcome, outcome.grant, outcome.provider,
+                outcome.model, outcome.machine, outcome.ttft_seconds is None,
+                outcome.tokens_in is None, outcome.tokens_out is None, cost is None,
+                not tokens, not cost,
+            )  # fmt: skip
+            series = self._outcome_series.get(key)
+            if series is None:
+                series = self._outcome_series[key] = self._series_of(outcome)
+            count(series.requests)
+            if series.grant_requests is not None:
+                count(series.grant_requests)
+            if series.grant_tokens is not None:
+                count(series.grant_tokens, tokens)
+            if series.grant_cost is not None and cost:
+                count(series.grant_cost, cost)
+            series.latency.observe(outcome.latency_seconds)
             for arm in outcome.arms:
-                machine = label(arm.provider, arm.machine or "")
-                count(child(self.arms, role, arm.provider, arm.model, machine, arm.result.value))
-            provider, model = outcome.provider, outcome.model
-            if provider is None or model is None:
-                continue
-            machine = label(provider, outcome.machine or "")
-            child(self.served_latency, role, provider, model, machine).observe(
-                outcome.latency_seconds
+                self._count_arm(outcome.role or "-", arm)
+            if series.served is not None:
+                series.served.observe(outcome.latency_seconds)
+            if series.ttft is not None and outcome.ttft_seconds is not None:
+                series.ttft.observe(outcome.ttft_seconds)
+            if series.tokens_in is not None and outcome.tokens_in is not None:
+                count(series.tokens_in, outcome.tokens_in)
+            if series.tokens_out is not None and outcome.tokens_out is not None:
+                count(series.tokens_out, outcome.tokens_out)
+            if series.cost is not None and cost is not None:
+                count(series.cost, cost)
+
+    def _series_of(self, outcome: Outcome) -> _OutcomeSeries:
+        """The series `outcome` feeds (but its arms'), made as the first outcome of its
+        kind feeds them, in the same order."""
+        child = self._child
+        role, status = outcome.role or "-", str(outcome.status)
+        requests = child(self.requests, role, status, outcome.outcome.value)
+        grant_requests = grant_tokens = grant_cost = None
+        if (grant := outcome.grant) is not None:
+            grant_requests = child(self.grant_requests, grant, status)
+            if outcome.tokens:
+                grant_tokens = child(self.grant_tokens, grant)
+            if outcome.cost_usd:
+                grant_cost = child(self.grant_cost, grant)
+        latency = child(self.latency, role)
+        provider, model = outcome.provider, outcome.model
+        if provider is None or model is None:
+            return _OutcomeSeries(requests, grant_requests, grant_tokens, grant_cost, latency)
+        machine = self.machine_label(provider, outcome.machine or "")
+        served = child(self.served_latency, role, provider, model, machine)
+        ttft = tokens_in = tokens_out = cost = None
+        if outcome.ttft_seconds is not None:
+            ttft = child(self.ttft, role, provider, model, machine)
+        if outcome.tokens_in is not None:
+            tokens_in = child(self.tokens, role, provider, model, "in")
+        if outcome.tokens_out is not None:
+            tokens_out = child(self.tokens, role, provider, model, "out")
+        if outcome.cost_usd is not None:
+            cost = child(self.cost, role, provider, model)
+        return _OutcomeSeries(
+            requests, grant_requests, grant_tokens, grant_cost, latency, served, ttft,
+            tokens_in, tokens_out, cost,
+        )  # fmt: skip
+
+    def _count_arm(self, role: str, arm: Arm) -> None:
+        key = (role, arm.provider, arm.model, arm.machine, arm.result)
+        series = self._arm_series.get(key)
+        if series is None:
+            machine = self.machine_label(arm.provider, arm.machine or "")
+            series = self._arm_series[key] = self._child(
+                self.arms, role, arm.provider, arm.model, machine, arm.result.value
             )
-            if outcome.ttft_seconds is not None:
-                child(self.ttft, role, provider, model, machine).observe(outcome.ttft_seconds)
-            if outcome.tokens_in is not None:
-                count(child(self.tokens, role, provider, model, "in"), outcome.tokens_in)
-            if outcome.tokens_out is not None:
-                count(child(self.tokens, role, provider, model, "out"), outcome.tokens_out)
-            if outcome.cost_usd is not None:
-                count(child(self.cost, role, provider, model), outcome.cost_usd)
+        self._count(series)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         """`metric.labels(*labels)`, remembered: prometheus_client takes a lock and

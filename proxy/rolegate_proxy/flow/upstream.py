@@ -34,6 +34,7 @@ from ..core.routing import Attempt
 from ..wire.answers import UpstreamError
 from ..wire.chat_request import ChatRequest
 from ..wire.dialects import WIRE, WireProtocol
+from .deadlines import Deadlines
 
 # What a failed read or write of an upstream's answer raises.
 TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
@@ -106,6 +107,8 @@ class Upstreams:
     pooled: aiohttp.ClientSession
     fresh: aiohttp.ClientSession
     keys: KeySource
+    # Every arm's silence bound (on one timer for them all).
+    deadlines: Deadlines = field(default_factory=Deadlines)
     # The request headers last built per (dialect, key reference, streamed), with the key
     # they were built with: every arm to a provider sends the same ones until its key
     # changes (read-only: aiohttp copies them into each request).

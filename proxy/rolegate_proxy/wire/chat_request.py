@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -25,7 +25,9 @@ ROLE_HEADER = "X-Rolegate-Role"
 MAX_NESTING = 254
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made for every request (a frozen dataclass sets its field through
+# object.__setattr__). Nothing changes one once made: hashed as if frozen.
+@dataclass(slots=True, unsafe_hash=True)
 class EncodedBody:
     """The client's body without `model` and `provider` (rolegate sets both per attempt,
     the `provider` field merged from the role's routing and the caller's preferences),
@@ -39,6 +41,10 @@ class EncodedBody:
         if self.rest == b"{}":
             return head
         return head[:-1] + b"," + self.rest[1:]
+
+
+# A body with nothing but what rolegate sets per attempt.
+EMPTY_BODY: Final = EncodedBody(b"{}")
 
 
 def encode_body(body: dict[str, Any]) -> EncodedBody:
@@ -77,7 +83,7 @@ class ChatRequest:
     # Estimated input tokens (for the expected cost of each machine).
     prompt_tokens: int = 0
     # The body as sent upstream, but for the model and the routing.
-    encoded: EncodedBody = EncodedBody(b"{}")
+    encoded: EncodedBody = EMPTY_BODY
     # The caller's own routing preferences (its `provider` object), merged with the role's
     # routing per attempt, never replacing it (SPEC F3).
     caller: CallerProvider = NO_PREFERENCES

@@ -21,7 +21,7 @@ from ..core.exclusions import is_request_fault
 from ..core.routing import MachineRouting
 from .aggregator import provider_field
 from .answers import Chunk, Completion, NotTheProtocol, UpstreamError
-from .caller_provider import CallerProvider
+from .caller_provider import NO_PREFERENCES, CallerProvider
 from .chat_request import EncodedBody
 from .names import upstream_name
 
@@ -116,12 +116,32 @@ def request_body(
     """The client's body with the role replaced by the concrete model and, for an
     aggregator, the role's routing merged with the caller's preferences as its `provider`
     field. A provider that is its one machine gets no `provider` field: it routes nothing."""
+    if caller is not NO_PREFERENCES:
+        return body.with_head(_head(model, routing, caller))
+    # Most callers state no preferences: their heads are the same few per model and
+    # routing, encoded once (bounded: routings differ in their machines' order).
+    # (Keyed by the routing's parts: a plain tuple hashes and compares in C.)
+    key = (model,) if routing is None else (model, routing.kind, routing.machines, routing.ignore)
+    head = _HEADS.get(key)
+    if head is None:
+        if len(_HEADS) >= MAX_HEADS:
+            _HEADS.clear()
+        head = _HEADS[key] = _head(model, routing, NO_PREFERENCES)
+    return body.with_head(head)
+
+
+# The encoded heads of callers without preferences, by model and routing.
+MAX_HEADS: Final = 1024
+_HEADS: dict[tuple[object, ...], bytes] = {}
+
+
+def _head(model: str, routing: MachineRouting | None, caller: CallerProvider) -> bytes:
     head = (
         {"model": model}
         if routing is None
         else {"model": model, "provider": provider_field(routing, caller)}
     )
-    return body.with_head(orjson.dumps(head))
+    return orjson.dumps(head)
 
 
 def request_headers(key: str | None, *, stream: bool) -> dict[str, str]:
