@@ -166,23 +166,24 @@ def parse_completion(raw: bytes, *, named: bool) -> Completion | UpstreamError:
         raise NotTheProtocol("not UTF-8 JSON") from None
     if not isinstance(payload, dict):
         raise NotTheProtocol("not a JSON object")
-    if not isinstance(payload.get("choices"), list):
+    choices = payload.get("choices")
+    if not isinstance(choices, list):
         if isinstance(payload.get("error"), (dict, str)):
             return parse_error(None, payload, named=named)
         raise NotTheProtocol("no `choices`")
-    choices = payload["choices"]
     first = choices[0] if choices and isinstance(choices[0], dict) else {}
     message = first.get("message")
     message = message if isinstance(message, dict) else {}
     content = message.get("content")
+    usage = payload.get("usage")
     return Completion(
-        text=content if isinstance(content, str) else "",
-        finish_reason=_finish_reason(first),
-        has_tool_calls=bool(message.get("tool_calls")),
-        prompt_tokens=_usage(payload, "prompt_tokens"),
-        completion_tokens=_usage(payload, "completion_tokens"),
-        model=upstream_name(payload.get("model")),
-        machine=upstream_name(payload.get("provider")) if named else None,
+        content if isinstance(content, str) else "",  # text
+        _finish_reason(first),  # finish_reason
+        bool(message.get("tool_calls")),  # has_tool_calls
+        _count(usage, "prompt_tokens"),  # prompt_tokens
+        _count(usage, "completion_tokens"),  # completion_tokens
+        upstream_name(payload.get("model")),  # model
+        upstream_name(payload.get("provider")) if named else None,  # machine
     )
 
 
@@ -217,8 +218,8 @@ def read_chunk(payload: dict[str, Any], raw: bytes, *, named: bool) -> Chunk:
         has_output,
         tool_calls,
         finish,
-        None if usage is None else _usage(payload, "prompt_tokens"),
-        None if usage is None else _usage(payload, "completion_tokens"),
+        None if usage is None else _count(usage, "prompt_tokens"),
+        None if usage is None else _count(usage, "completion_tokens"),
         "usage" in payload,
         upstream_name(payload.get("model")),
         upstream_name(payload.get("provider")) if named else None,
@@ -231,8 +232,8 @@ def _finish_reason(choice: dict[str, Any]) -> str | None:
     return reason if isinstance(reason, str) and reason else None
 
 
-def _usage(payload: dict[str, Any], name: str) -> int | None:
-    usage = payload.get("usage")
+def _count(usage: object, name: str) -> int | None:
+    """A token count of an answer's `usage` object (None: absent or not a count)."""
     count = usage.get(name) if isinstance(usage, dict) else None
     return count if isinstance(count, int) and not isinstance(count, bool) and count >= 0 else None
 
