@@ -174,7 +174,8 @@ class _Decision:
     detail: str
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made for every token of a stream that has alternatives (the hot loop).
+@dataclass(slots=True)
 class _Hypotheses:
     alternative: Alternative
     movable: bool
@@ -209,9 +210,12 @@ class Watch:
         delivered: int = 0,
         settings: WatchSettings | None = None,
     ) -> None:
-        self.settings = settings or WatchSettings()
+        self.settings = settings = settings or WatchSettings()
         self.patience = role.patience_seconds
         self.expected_tokens = max(role.expected_output_tokens, 1)
+        # Asked on every token: worked out once.
+        self._upper, self._lower = settings.upper, settings.lower
+        self._floor = max(1.0, math.ceil(self.expected_tokens * settings.tail_share))
         self.sent_at = sent_at
         self.started_at = sent_at if started_at is None else started_at
         self.serving = serving
@@ -273,8 +277,7 @@ class Watch:
         """Tokens still expected: the role's expectation less what was delivered, never
         below `tail_share` of it."""
         seen = self.delivered + self.tokens
-        floor = max(1.0, math.ceil(self.expected_tokens * self.settings.tail_share))
-        return max(float(self.expected_tokens - seen), floor)
+        return max(float(self.expected_tokens - seen), self._floor)
 
     # -- the one predicate ------------------------------------------------------------------
 
@@ -376,6 +379,8 @@ class Watch:
             pool, movable = (self._continuing, True) if self._continuing else (pool, False)
         if not pool:
             return None
+        if len(pool) == 1:
+            return pool[0], movable
         best = min(pool, key=lambda a: (a.expected_seconds(tokens), a.key))
         return best, movable
 
@@ -430,6 +435,8 @@ class Watch:
     def _hypotheses(self) -> _Hypotheses | None:
         """The two rates the test weighs, against the best alternative now (None: there is
         no alternative, so nothing to decide)."""
+        if not self._others:
+            return None  # nowhere to move: nothing to decide (what `_best` would find)
         settings = self.settings
         rest = self.remaining()
         best = self._best(rest)
@@ -465,9 +472,9 @@ class Watch:
             return
         settings = self.settings
         step = self._step(hypotheses, tokens, elapsed / tokens)
-        self.llr = max(self.llr + step, settings.lower)
+        self.llr = max(self.llr + step, self._lower)
         gaps = self._gaps.count + tokens
-        if self.llr >= settings.upper and gaps >= settings.min_gaps:
+        if self.llr >= self._upper and gaps >= settings.min_gaps:
             observed = gaps / max(now - (self.first_at or now), MIN_SECONDS)
             self._decide(now, hypotheses, f"{int(gaps)} gaps at {observed:.1f} tok/s")
 
@@ -483,7 +490,7 @@ class Watch:
 
     def _silence_gaps_needed(self, worth: float) -> int:
         """Behind-rate gaps of silence that would decide, on top of what was seen."""
-        by_evidence = math.ceil(max(self.settings.upper - self.llr, 0.0) / worth)
+        by_evidence = math.ceil(max(self._upper - self.llr, 0.0) / worth)
         by_count = math.ceil(max(self.settings.min_gaps - self._gaps.count, 0.0))
         return max(by_evidence, by_count, 1)
 

@@ -141,7 +141,11 @@ class ClientStream:
             return
         assert self.response is not None, "start() commits the stream first"
         if data:
-            await self._guarded(self.response.write(data))
+            # As `_guarded` does, inline: this runs once per network read of a stream.
+            try:
+                await self.response.write(data)
+            except (ConnectionError, RuntimeError) as error:
+                raise ClientGone(type(error).__name__) from None
 
     async def keep_alive(self) -> None:
         """Buffered: an SSE comment every so often until the answer is released."""

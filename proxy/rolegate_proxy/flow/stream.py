@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TypeVar
+from itertools import chain
 
 import aiohttp
 
@@ -24,25 +24,32 @@ from ..core.arm_end import Cause
 from ..core.watch import Act, Watch
 from ..wire.answers import Chunk
 from ..wire.dialects import WireProtocol
-from ..wire.sse import Event, EventFramer, MalformedEvent, decode_event_json
+from ..wire.sse import EventFramer, Kind
 from .client_stream import ClientStream
 from .upstream import TRANSPORT_ERRORS, ArmFailed, Silence, failed_in_transport
 
-Item = Event | Chunk
+# What the relay is handed per event: a decoded data event (a chunk, or the text of one
+# that says nothing else), or a comment or `[DONE]` as its kind.
+Item = Chunk | str | Kind
+# An item and where the upstream's bytes that forward it lie: (item, buffer, start, end).
+Sent = tuple[Item, bytes, int, int]
 # A stream quiet this long is looked at by its watch (SPEC B5: silence is evidence).
 SILENCE_TICK_SECONDS = 0.1
 Clock = Callable[[], float]
-T = TypeVar("T")
 
 
 class Reads:
-    """Per network read, the complete events it finished: comments and [DONE] as they are,
-    data events decoded. A malformed event is skipped and counted (SPEC E4).
+    """Per network read, the complete events it finished: comments and [DONE] as their
+    kind, data events decoded, each beside the span of upstream bytes that forwards it. A
+    malformed event is skipped and counted (SPEC E4).
 
-    Not a generator: a read cancelled while it waits (a timer ran out) consumes nothing,
-    and the next one goes on where it was."""
+    A read's events are an iterator, each decoded as it is taken: a burst of a thousand
+    events never becomes a list of a thousand decoded ones, whose objects, all alive at
+    once, were what set the cycle collector off on a stream (an event's now die with it).
+    Not a generator across reads: a read cancelled while it waits (a timer ran out)
+    consumes nothing, and the next one goes on where it was."""
 
-    __slots__ = ("_content", "_framer", "_named", "_on_malformed", "_wire")
+    __slots__ = ("_framer", "_on_malformed", "_reader", "read_any")
 
     def __init__(
         self,
@@ -52,35 +59,31 @@ class Reads:
         named: bool,
         on_malformed: Callable[[], None],
     ) -> None:
-        self._content = response.content
+        # The next network read's bytes (b"" at the stream's clean end).
+        self.read_any = response.content.readany
+        connection = response.connection
+        if connection is not None and connection.protocol is not None:
+            # The relay's alarm bounds every silence of the stream (from its last content),
+            # and opening it is bounded as a whole: aiohttp's read timeout would only bound
+            # it again, at the cost of a timer made and cancelled on every network read.
+            connection.protocol.read_timeout = None
         self._framer = EventFramer()
-        self._wire = wire
-        self._named = named
+        self._reader = wire.stream_reader(named=named)
         self._on_malformed = on_malformed
 
-    async def next(self) -> list[Item] | None:
+    async def next(self) -> Iterator[Sent] | None:
         """The events the next network reads complete; None at the stream's clean end."""
         while True:
-            data = await self._content.readany()
+            data = await self.read_any()
             if not data:
                 return None
-            items = self._decoded(data)
-            if items:
-                return items
+            if (events := self.take(data)) is not None:
+                return events
 
-    def _decoded(self, data: bytes) -> list[Item]:
-        items: list[Item] = []
-        for event in self._framer.feed(data):
-            if event.is_comment or event.is_done:
-                items.append(event)
-                continue
-            try:
-                payload = decode_event_json(event)
-            except MalformedEvent:
-                self._on_malformed()
-                continue
-            items.append(self._wire.read_chunk(payload, event.raw, named=self._named))
-        return items
+    def take(self, data: bytes) -> Iterator[Sent] | None:
+        """The events a network read completes; None when it completes none."""
+        framer = self._framer
+        return framer.events(self._reader.read, self._on_malformed) if framer.feed(data) else None
 
 
 @dataclass(slots=True)
@@ -89,8 +92,11 @@ class OpenedStream:
 
     response: aiohttp.ClientResponse
     reads: Reads
-    held: list[Item]
+    # What was read up to the first content (keep-alive comments left out), and the rest
+    # of the read that brought it, not yet decoded.
+    held: list[Sent]
     first_at: float
+    rest: Iterable[Sent] = ()
     # The machine and model its chunks named, when they did.
     machine: str | None = None
     model: str | None = None
@@ -112,15 +118,23 @@ async def hold_until_content(
 ) -> None:
     """Read until the first content, the finish or [DONE] (plus whatever came in the same
     read), filling `opened`. Raises ArmFailed if the arm fails before that."""
-    while (items := await opened.reads.next()) is not None:
-        for index, item in enumerate(items):
-            if isinstance(item, Event):
-                if item.is_done:
-                    opened.held.extend(items[index:])
+    while (sent := await opened.reads.next()) is not None:
+        for each in sent:
+            item = each[0]
+            if isinstance(item, Kind):
+                if item is Kind.DONE:
+                    opened.held.append(each)
                     opened.empty = True
                     opened.first_at = clock()
                     return
                 continue  # keep-alive comments before content mean nothing to a client
+            if isinstance(item, str):
+                # Text alone: content (in practice never here: it only follows a content
+                # chunk read whole, and the first content ends the wait).
+                opened.held.append(each)
+                opened.rest = sent
+                opened.first_at = clock()
+                return
             if item.error is not None:
                 raise ArmFailed(
                     Cause.IN_BAND_ERROR, f"{item.error.describe()} before any content",
@@ -132,13 +146,13 @@ async def hold_until_content(
                 # wait against the right belief.
                 on_named(item.machine)
             opened.model = opened.model or item.model
+            opened.held.append(each)
             if item.has_content:
-                opened.held.extend(items[index:])
+                opened.rest = sent
                 opened.first_at = clock()
                 opened.finish_reason = item.finish_reason
                 opened.empty = item.finish_reason is not None and not item.has_output
                 return
-            opened.held.append(item)
     raise ArmFailed(Cause.CUT, "the stream ended before any content or [DONE]")
 
 
@@ -160,12 +174,9 @@ class Stop:
     usage_estimated: bool = False
 
 
-class _Rang(Exception):
-    """The alarm interrupted a read: its moment came."""
-
-
 class _Alarm:
-    """One timer for a relay's whole life, interrupting a read when its moment comes.
+    """One timer for a relay's whole life, interrupting a read when its moment comes (the
+    relay arms it before each read and disarms it after).
 
     `asyncio.timeout` would make and schedule a timer for every read: a tenth of what a
     streamed token costs the proxy. The moment a read is waited to moves later with every
@@ -187,22 +198,23 @@ class _Alarm:
         self._due = math.inf
         self._rang = False
 
-    async def during(self, read: Awaitable[T], due: float) -> T:
-        """`read`, unless `due` (on `clock`) comes first: then _Rang."""
+    def arm(self, due: float) -> None:
+        """A read is about to wait, until `due` (on `clock`) at most."""
         self._due = due
         if self._handle is None or due < self._set_for:
             self._set(due)
-        try:
-            return await read
-        except asyncio.CancelledError:
-            if not self._rang:
-                raise
-            self._rang = False
-            if self._task.uncancel() > 0:
-                raise  # cancelled for another reason too: that one stands
-            raise _Rang() from None
-        finally:
-            self._due = math.inf
+
+    def disarm(self) -> None:
+        """The read is over, however it ended."""
+        self._due = math.inf
+
+    def rang(self) -> bool:
+        """Whether the cancellation a read ended in was this alarm ringing (it is withdrawn
+        then); False: it came from elsewhere (too), and stands."""
+        if not self._rang:
+            return False
+        self._rang = False
+        return self._task.uncancel() == 0
 
     def stop(self) -> None:
         if self._handle is not None:
@@ -255,9 +267,11 @@ class Relay:
         """Forward until the answer is complete, the stream breaks, or it should move."""
         if self._content_at is None:  # (a kept stream resumes with its own)
             self._content_at = self.clock()
-        if self.opened.held:
-            held, self.opened.held = self.opened.held, []
-            stop = await self._send(held, first=True)
+        opened = self.opened
+        if opened.held:
+            held, rest = opened.held, opened.rest
+            opened.held, opened.rest = [], ()
+            stop = await self._send(chain(held, rest), first=True)
             if stop is not None:
                 return stop
         while True:
@@ -275,26 +289,39 @@ class Relay:
         if self._alarm is not None:
             self._alarm.stop()
 
-    async def _read(self) -> list[Item] | Stop | None:
+    async def _read(self) -> Iterator[Sent] | Stop | None:
         """The next read, or the Stop a wait ended in: a stall, or a rate act that moves."""
         alarm = self._alarm
         if alarm is None:
             alarm = self._alarm = _Alarm(self.clock)
+        reads = self.opened.reads
         while True:
             now = self.clock()
             assert self._content_at is not None
             stalled_at = self._content_at + self.silence.seconds
             wake = min(stalled_at, self._check_at or self._content_at + SILENCE_TICK_SECONDS)
             if now < wake:
+                # Awaited here, not in a helper: a coroutine less for every network read.
+                alarm.arm(wake)
                 try:
-                    return await alarm.during(self.opened.reads.next(), wake)
-                except _Rang:
+                    data = await reads.read_any()
+                except asyncio.CancelledError:
+                    if not alarm.rang():
+                        raise
                     now = self.clock()
                 except TRANSPORT_ERRORS as error:
                     failure = failed_in_transport(
                         error, self.silence, headers_in=True, content_in=True
                     )
                     return Stop(StopKind.BROKE, failure.cause, failure.detail)
+                else:
+                    if not data:
+                        return None
+                    if (events := reads.take(data)) is not None:
+                        return events
+                    continue  # a read that completed no event: wait on
+                finally:
+                    alarm.disarm()
             if now >= stalled_at:
                 detail = f"sent nothing to show for {self.silence.seconds:g} s mid-answer"
                 return Stop(StopKind.BROKE, Cause.STALL, detail)
@@ -323,31 +350,61 @@ class Relay:
             StopKind.BROKE, Cause.CUT, "the upstream stream was cut before the answer finished"
         )
 
-    async def _send(self, items: list[Item], *, first: bool) -> Stop | None:
+    async def _send(self, items: Iterable[Sent], *, first: bool) -> Stop | None:
         """One read's events, in one write. The first content's gap is the TTFT (the watch
         took it when the stream opened), not a token gap."""
-        out = bytearray()
+        out = _Forward()
         tokens = 0
         delivered = self.client.delivered
-        for item in items:
-            if isinstance(item, Event):
-                if item.is_done:
-                    estimated = await self.client.finish(bytes(out))
-                    return Stop(StopKind.DONE, usage_estimated=estimated)
-                out += item.raw
-                continue
-            if item.error is not None:
-                await self.client.write(bytes(out))
-                code = f" ({item.error.code})" if item.error.code else ""
-                detail = f"the upstream reported an error mid-stream{code}"
-                return Stop(StopKind.BROKE, Cause.IN_BAND_ERROR, detail)
-            if delivered.note(item):
-                out += item.raw
-            tokens += 1 if item.content else 0
-        await self.client.write(bytes(out))
-        if tokens:
-            self._content_at = self.clock()
-            self._check_at = None
-        if first or not tokens:
+        texts = delivered.texts
+        for item, buffer, start, end in items:
+            if type(item) is str:
+                # Text alone: all `Delivered.note` would take of it (the answer so far is
+                # the texts; whatever else the chunk named, an earlier chunk named first).
+                texts.append(item)
+                tokens += 1
+            elif type(item) is Chunk:
+                if item.error is not None:
+                    await self.client.write(out.take())
+                    code = f" ({item.error.code})" if item.error.code else ""
+                    detail = f"the upstream reported an error mid-stream{code}"
+                    return Stop(StopKind.BROKE, Cause.IN_BAND_ERROR, detail)
+                if not delivered.note(item):
+                    continue
+                tokens += 1 if item.content else 0
+            elif item is Kind.DONE:
+                estimated = await self.client.finish(out.take())
+                return Stop(StopKind.DONE, usage_estimated=estimated)
+            out.add(buffer, start, end)
+        await self.client.write(out.take())
+        if not tokens:
             return None
-        return self._acted(self.watch.observe(self.clock(), tokens=tokens))
+        now = self._content_at = self.clock()
+        self._check_at = None
+        return None if first else self._acted(self.watch.observe(now, tokens=tokens))
+
+
+class _Forward:
+    """The bytes one write forwards: spans of the upstream's reads, each run of adjacent
+    spans sliced once (a read forwarded whole is written as the very bytes read), never a
+    copy per event."""
+
+    __slots__ = ("_buffer", "_end", "_runs", "_start")
+
+    def __init__(self) -> None:
+        self._buffer = b""
+        self._start = self._end = 0
+        # Runs closed by a gap (an event not forwarded, or another read's): rare.
+        self._runs: list[bytes] = []
+
+    def add(self, buffer: bytes, start: int, end: int) -> None:
+        if buffer is self._buffer and start == self._end:
+            self._end = end
+            return
+        if self._end > self._start:
+            self._runs.append(self._buffer[self._start : self._end])
+        self._buffer, self._start, self._end = buffer, start, end
+
+    def take(self) -> bytes:
+        run = self._buffer[self._start : self._end]
+        return b"".join((*self._runs, run)) if self._runs else run

@@ -44,13 +44,13 @@ class NotTheProtocol(ValueError):
     """A 200 body that is not a chat completion (not UTF-8 JSON, or without `choices`)."""
 
 
-# Not frozen: one is made per stream event, and a frozen dataclass sets each of its twelve
+# Not frozen: one is made per stream event, and a frozen dataclass sets each of its eleven
 # fields through object.__setattr__ (the hot loop; nothing changes one once made).
 @dataclass(slots=True)
 class Chunk:
-    """What one decoded stream event says, beside the raw bytes that are forwarded."""
+    """What one decoded stream event says. Its bytes are not in it: the relay forwards
+    the upstream's own, as spans of what it read."""
 
-    raw: bytes
     # The text of its content deltas (kept only until the answer is judged).
     content: str
     # Content, a tool call or reasoning: something a client shows.

@@ -6,9 +6,9 @@ it routes among machines itself (`core.routing.ROUTES_MACHINES`; the routing it 
 is spelled in `wire/aggregator.py`). Adding a dialect is a module implementing
 `WireProtocol`, its `Dialect` value, and a row here and in `ROUTES_MACHINES`.
 
-Every dialect's answers reach the client as OpenAI chat-completion bytes: the OpenAI
-module forwards the provider's own (pass-through). A dialect with another format would
-also write its events in that shape for the client (its `Chunk.raw`).
+Every dialect's answers reach the client as OpenAI chat-completion bytes: the relay
+forwards the provider's own (pass-through), spans of the bytes it read. A dialect with
+another format would also need its events written in that shape for the client.
 """
 
 from __future__ import annotations
@@ -24,6 +24,16 @@ from . import openai
 from .answers import Chunk, Completion, UpstreamError
 from .caller_provider import CallerProvider
 from .chat_request import EncodedBody
+
+
+class StreamReader(Protocol):
+    """Reads the events of one stream, in order."""
+
+    def read(self, data: bytes) -> Chunk | str:
+        """One event's `data`: its chunk, or, for a chunk that says nothing but its text
+        (the model and machine it names already told by an earlier chunk), that text.
+        Raises `sse.MalformedEvent` for data that is not a JSON object."""
+        ...
 
 
 class WireProtocol(Protocol):
@@ -43,7 +53,7 @@ class WireProtocol(Protocol):
         """A 200 body; raises `answers.NotTheProtocol` for what is not an answer."""
         ...
 
-    def read_chunk(self, payload: dict[str, Any], raw: bytes, *, named: bool) -> Chunk: ...
+    def stream_reader(self, *, named: bool) -> StreamReader: ...
 
     def parse_error(
         self, status: int | None, body: bytes | dict[str, Any], *, named: bool

@@ -24,6 +24,7 @@ from .answers import Chunk, Completion, NotTheProtocol, UpstreamError
 from .caller_provider import NO_PREFERENCES, CallerProvider
 from .chat_request import EncodedBody
 from .names import upstream_name
+from .sse import decode_event_json
 
 # Error codes and types the OpenAI-compatible servers we know send; one of these may be
 # repeated in a decision row or to the client. Anything else is left out.
@@ -187,12 +188,129 @@ def parse_completion(raw: bytes, *, named: bool) -> Completion | UpstreamError:
     )
 
 
-def read_chunk(payload: dict[str, Any], raw: bytes, *, named: bool) -> Chunk:
+class ChunkReader:
+    """Reads one stream's events (their `data`), in order.
+
+    Nearly every event of an answer is a content delta whose bytes are the event before's
+    but for the text: same id, model, machine, the one choice, no finish reason, no usage.
+    Once one such event has been read whole, and its text's place in its bytes is beyond
+    doubt (`_around_text`), a later event made of the same bytes around another JSON string
+    is that string's text (`str`) and nothing else, read without parsing the rest: a JSON
+    reader is context-free, so a string in the same place parses the same document with
+    only that value changed. The event it was learned from went out whole first, so its
+    consumers have the model and machine it names. Anything else is parsed whole
+    (`read_chunk`), and a string that is no JSON string falls back to that too."""
+
+    __slots__ = ("_after", "_before", "_named")
+
+    def __init__(self, *, named: bool) -> None:
+        self._named = named
+        # The bytes around the text of the content delta learned from; none yet.
+        self._before: bytes | None = None
+        self._after = b""
+
+    def read(self, data: bytes) -> Chunk | str:
+        """The event's chunk, or (a content delta like the one learned from) its text.
+        Raises `sse.MalformedEvent` for data that is not a JSON object."""
+        before = self._before
+        if (
+            before is not None
+            and len(data) > len(before) + len(self._after)
+            and data.startswith(before)
+            and data.endswith(self._after)
+        ):
+            text = _json_text(data[len(before) : len(data) - len(self._after)])
+            if text:
+                return text
+        payload = decode_event_json(data)
+        if before is None and (text := _plain_text(payload)) is not None:
+            around = _around_text(data, text)
+            if around is not None:
+                self._before, self._after = around
+        return read_chunk(payload, named=self._named)
+
+
+def _json_text(token: bytes) -> str | None:
+    """The text a JSON string token spells; None for anything else."""
+    try:
+        text = orjson.loads(token)
+    except orjson.JSONDecodeError:
+        return None
+    return text if type(text) is str else None
+
+
+def _plain_text(payload: dict[str, Any]) -> str | None:
+    """The text of a chunk that says nothing else `read_chunk` reads: one choice, whose
+    delta has text and no tool call, no finish reason, no usage, no error (its model and
+    machine aside). None for any other chunk."""
+    choices = payload.get("choices")
+    if type(choices) is not list or len(choices) != 1 or "usage" in payload:
+        return None
+    if "error" in payload:
+        return None
+    choice = choices[0]
+    delta = choice.get("delta") if type(choice) is dict else None
+    if type(delta) is not dict or delta.get("tool_calls") or choice.get("finish_reason"):
+        return None
+    content = delta.get("content")
+    return content if type(content) is str and content else None
+
+
+_CONTENT_KEY = b'"content":'
+_QUOTE = 0x22
+_BACKSLASH = 0x5C
+
+
+def _around_text(data: bytes, text: str) -> tuple[bytes, bytes] | None:
+    """The bytes before and after the JSON string that is this plain content delta's text,
+    when no doubt is possible: the text follows the only `"content":` outside it, and no
+    backslash is outside it. Then every key outside the string is spelled as it reads
+    (an escape would need a backslash), so that key is the only `content` key of the
+    document, the one the text was read from; and with every quote outside the string a
+    delimiter, an even count before the key puts the key outside any string."""
+    key = data.find(_CONTENT_KEY)
+    start = key + len(_CONTENT_KEY)
+    if key < 0 or start >= len(data) or data[start] != _QUOTE:
+        return None
+    end = _string_end(data, start)
+    if end is None:
+        return None
+    before, after = data[:start], data[end:]
+    if (
+        _BACKSLASH in before
+        or _BACKSLASH in after
+        or before.count(b'"') % 2
+        or before.count(b'"content"') != 1
+        or b'"content"' in after
+        or _json_text(data[start:end]) != text
+    ):
+        return None
+    return before, after
+
+
+def _string_end(data: bytes, start: int) -> int | None:
+    """Just past the JSON string opening at `start`: its first quote preceded by an even
+    number of backslashes (an odd number escapes it)."""
+    at = start + 1
+    while (at := data.find(b'"', at)) >= 0:
+        escapes = 0
+        while data[at - 1 - escapes] == _BACKSLASH:
+            escapes += 1
+        if escapes % 2 == 0:
+            return at + 1
+        at += 1
+    return None
+
+
+def stream_reader(*, named: bool) -> ChunkReader:
+    """A reader for one stream's events (`named`: the provider names machines)."""
+    return ChunkReader(named=named)
+
+
+def read_chunk(payload: dict[str, Any], *, named: bool) -> Chunk:
     if isinstance(payload.get("error"), (dict, str)):
         error = parse_error(None, payload, named=named)
-        return Chunk(
-            raw, "", False, False, False, None, None, None, False, None, error.machine, error
-        )
+        return Chunk("", False, False, False, None, None, None, False, None, error.machine, error)
     texts: list[str] = []
     has_content = has_output = tool_calls = False
     finish: str | None = None
@@ -212,7 +330,6 @@ def read_chunk(payload: dict[str, Any], raw: bytes, *, named: bool) -> Chunk:
         has_content = has_content or has_output or bool(delta.get("reasoning"))
     usage = payload.get("usage")
     return Chunk(
-        raw,
         "".join(texts),
         has_content or finish is not None,
         has_output,

@@ -8,42 +8,56 @@ splitting the byte stream at blank lines can never cut a character in half: a ch
 split across two network reads simply waits in the buffer until its event is complete.
 Each complete event is then decoded strictly as UTF-8, and its original bytes are what we
 forward, so text round-trips byte-exact.
+
+Framing runs once per token, so an event is not an object: the framer hands out each
+complete event as where its bytes lie in the buffer it holds, beside what its `data` reads
+as, one event at a time as the consumer asks (a read of a thousand events is never a list
+of a thousand of anything). Nearly every provider sends each event as one `data: ` line,
+whose data is a slice of the buffer; anything else is parsed line by line.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator
+from enum import Enum
+from typing import Any, TypeVar
 
 import orjson
 
 DONE = b"[DONE]"
+_DATA_LINE = b"data: "
+_LF = 0x0A
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """One complete event: its `data` payload (lines joined by LF) and the bytes that are
-    forwarded for it (the event's own lines)."""
+class Kind(Enum):
+    DATA = "data"
+    # A comment (a keep-alive): forwarded as it is, nothing in it is read.
+    COMMENT = "comment"
+    # The `[DONE]` that ends an OpenAI stream.
+    DONE = "done"
 
-    data: bytes
-    raw: bytes
-    is_comment: bool = False
 
-    @property
-    def is_done(self) -> bool:
-        return self.data.strip() == DONE
+T = TypeVar("T")
+# One complete event: a data event as its data reads (a comment or `[DONE]` as its kind),
+# the buffer holding it, and where its bytes (its own lines and the blank line ending it)
+# start and end there.
+Frame = tuple[T | Kind, bytes, int, int]
 
 
 class EventFramer:
     """Incrementally splits an SSE byte stream into complete events."""
 
-    __slots__ = ("_buffer",)
+    __slots__ = ("_buffer", "_start")
 
     def __init__(self) -> None:
         self._buffer = b""
+        # Where the bytes not yet handed out as events start in `_buffer`.
+        self._start = 0
 
-    def feed(self, chunk: bytes) -> list[Event]:
-        buffer = self._buffer + chunk
+    def feed(self, chunk: bytes) -> bool:
+        """Take in one network read; True when a complete event block is waiting (it may
+        turn out to be no event: a block of `id:` or `event:` lines only)."""
+        buffer = self._buffer[self._start :] + chunk
         if b"\r" in buffer:
             # CRLF (or lone CR) line endings are legal SSE; a CR at the very end may be
             # the first half of a CRLF pair, so it waits for the next read.
@@ -53,27 +67,56 @@ class EventFramer:
             buffer = buffer.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
             if keep_cr:
                 buffer += b"\r"
-        events: list[Event] = []
-        start = 0
-        while True:
-            end = buffer.find(b"\n\n", start)
-            if end < 0:
-                break
-            block = buffer[start:end]
-            start = end + 2
-            event = _parse_block(block)
-            if event is not None:
-                events.append(event)
-        self._buffer = buffer[start:]
-        return events
+        self._buffer, self._start = buffer, 0
+        return b"\n\n" in buffer
+
+    def events(
+        self, read: Callable[[bytes], T], on_malformed: Callable[[], None]
+    ) -> Iterator[Frame[T]]:
+        """The complete events fed so far and not yet handed out, in order, each data
+        event's `data` (lines joined by LF) read by `read`; one it raises MalformedEvent
+        for is skipped, and `on_malformed` told. Each is consumed as it is yielded: an
+        iteration left unfinished leaves the rest for the next one, and one overtaken by
+        `feed` yields nothing more."""
+        buffer = self._buffer
+        size = len(buffer)
+        while self._buffer is buffer:  # (not overtaken by a feed)
+            start = self._start
+            newline = buffer.find(b"\n", start)
+            if newline < 0 or newline + 1 >= size:
+                return
+            if buffer[newline + 1] == _LF:
+                end = newline  # a one-line block: the common case, one search per event
+            else:
+                end = buffer.find(b"\n\n", newline + 1)
+                if end < 0:
+                    return
+            self._start = after = end + 2
+            if end == newline and buffer.startswith(_DATA_LINE, start):
+                data = buffer[start + 6 : end]
+                kind = Kind.DONE if data[:1] != b"{" and data.strip() == DONE else Kind.DATA
+            else:
+                parsed = _parse_block(buffer[start:end])
+                if parsed is None:
+                    continue
+                kind, data = parsed
+            if kind is not Kind.DATA:
+                yield kind, buffer, start, after
+                continue
+            try:
+                value = read(data)
+            except MalformedEvent:
+                on_malformed()
+                continue
+            yield value, buffer, start, after
 
     @property
     def pending(self) -> bytes:
-        """Bytes of an incomplete event still waiting for its end."""
-        return self._buffer
+        """Bytes fed and not yet handed out as events (an incomplete event among them)."""
+        return self._buffer[self._start :]
 
 
-def _parse_block(block: bytes) -> Event | None:
+def _parse_block(block: bytes) -> tuple[Kind, bytes] | None:
     data_lines: list[bytes] = []
     comment = False
     for line in block.split(b"\n"):
@@ -91,9 +134,10 @@ def _parse_block(block: bytes) -> Event | None:
     if data_lines:
         # Forwarded as it came (line endings normalised): an event whose data spans several
         # `data:` lines keeps each line's field name, which re-framing it would lose.
-        return Event(data=b"\n".join(data_lines), raw=block + b"\n\n")
+        data = b"\n".join(data_lines)
+        return (Kind.DONE if data.strip() == DONE else Kind.DATA), data
     if comment:
-        return Event(data=b"", raw=block + b"\n\n", is_comment=True)
+        return Kind.COMMENT, b""
     return None
 
 
@@ -101,14 +145,14 @@ class MalformedEvent(ValueError):
     """An event whose data is not UTF-8 JSON; skipped and counted, never fatal (E4)."""
 
 
-def decode_event_json(event: Event) -> dict[str, Any]:
+def decode_event_json(data: bytes) -> dict[str, Any]:
     # orjson parses bytes as strict UTF-8 in one pass, four times faster than
     # decode-then-json.loads; this runs once per token, so it is the hot loop.
     try:
-        value = orjson.loads(event.data)
+        value = orjson.loads(data)
     except orjson.JSONDecodeError:
         try:
-            event.data.decode("utf-8")
+            data.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise MalformedEvent(f"event data is not UTF-8: {exc.reason}") from None
         raise MalformedEvent("event data is not JSON") from None
