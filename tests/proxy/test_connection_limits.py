@@ -232,14 +232,7 @@ async def test_an_idle_kept_alive_connection_is_closed_at_the_idle_limit(
         sim_server, proxy_server, idle_timeout_seconds=LIMIT, header_timeout_seconds=60
     )
     async with _connection(proxy) as (reader, writer):
-        writer.write(b"GET /healthz HTTP/1.1\r\nHost: proxy\r\n\r\n")
-        head = await reader.readuntil(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 200"), head
-        length = next(
-            int(line.split(b":")[1]) for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length:")
-        )  # fmt: skip
-        await reader.readexactly(length)
+        await _answered_healthz(reader, writer)
         answered = time.monotonic()
         # Kept alive, then idle: closed once the idle limit is past, not before.
         assert await _until_closed(reader, LIMIT + MARGIN) == b""
