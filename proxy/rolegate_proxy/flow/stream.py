@@ -246,7 +246,8 @@ class Relay:
     about by the watch (a silence is evidence, SPEC B5), as often as it wants, and one that
     sends nothing the client would see (only keep-alive comments, or nothing at all) for
     its silence bound has stalled, however many bytes it sent. A stream that keeps
-    producing costs one timer per read, and the watch only its token observations."""
+    producing costs no timer per read (one alarm, `_Alarm`), and the watch only its token
+    observations."""
 
     opened: OpenedStream
     client: ClientStream
@@ -268,21 +269,26 @@ class Relay:
         if self._content_at is None:  # (a kept stream resumes with its own)
             self._content_at = self.clock()
         opened = self.opened
-        if opened.held:
-            held, rest = opened.held, opened.rest
-            opened.held, opened.rest = [], ()
-            stop = await self._send(chain(held, rest), first=True)
-            if stop is not None:
-                return stop
+        # What was held back goes first, in one write with the rest of its read.
+        first = bool(opened.held)
+        events: Iterable[Sent] = chain(opened.held, opened.rest)
+        opened.held, opened.rest = [], ()
         while True:
-            got = await self._read()
-            if isinstance(got, Stop):
-                return got
-            if got is None:
-                return await self._ended()
-            stop = await self._send(got, first=False)
-            if stop is not None:
+            if not first:
+                got = await self._read()
+                if isinstance(got, Stop):
+                    return got
+                if got is None:
+                    return await self._ended()
+                events = got
+            # Sliced and written here, not in a coroutine: this is every network read.
+            data, tokens, last = self._forwarded(events)
+            if last is not None:
+                return await self._last(data, last)
+            await self.client.write(data)
+            if tokens and (stop := self._produced(tokens, first=first)) is not None:
                 return stop
+            first = False
 
     def close(self) -> None:
         """The relay is over: its alarm rings no more."""
@@ -350,14 +356,15 @@ class Relay:
             StopKind.BROKE, Cause.CUT, "the upstream stream was cut before the answer finished"
         )
 
-    async def _send(self, items: Iterable[Sent], *, first: bool) -> Stop | None:
-        """One read's events, in one write. The first content's gap is the TTFT (the watch
-        took it when the stream opened), not a token gap."""
+    def _forwarded(self, events: Iterable[Sent]) -> tuple[bytes, int, Chunk | Kind | None]:
+        """One read's events as the bytes to write, how many carried content, and the event
+        that ends the stream in it ([DONE], or an error chunk), if one does: the bytes are
+        then what came before it, and nothing after it is read."""
         out = _Forward()
         tokens = 0
         delivered = self.client.delivered
         texts = delivered.texts
-        for item, buffer, start, end in items:
+        for item, buffer, start, end in events:
             if type(item) is str:
                 # Text alone: all `Delivered.note` would take of it (the answer so far is
                 # the texts; whatever else the chunk named, an earlier chunk named first).
@@ -365,20 +372,29 @@ class Relay:
                 tokens += 1
             elif type(item) is Chunk:
                 if item.error is not None:
-                    await self.client.write(out.take())
-                    code = f" ({item.error.code})" if item.error.code else ""
-                    detail = f"the upstream reported an error mid-stream{code}"
-                    return Stop(StopKind.BROKE, Cause.IN_BAND_ERROR, detail)
+                    return out.take(), tokens, item
                 if not delivered.note(item):
                     continue
                 tokens += 1 if item.content else 0
             elif item is Kind.DONE:
-                estimated = await self.client.finish(out.take())
-                return Stop(StopKind.DONE, usage_estimated=estimated)
+                return out.take(), tokens, item
             out.add(buffer, start, end)
-        await self.client.write(out.take())
-        if not tokens:
-            return None
+        return out.take(), tokens, None
+
+    async def _last(self, data: bytes, last: Chunk | Kind) -> Stop:
+        """The end a read's [DONE] or error chunk makes, after the bytes before it."""
+        if isinstance(last, Chunk) and last.error is not None:
+            await self.client.write(data)
+            code = f" ({last.error.code})" if last.error.code else ""
+            detail = f"the upstream reported an error mid-stream{code}"
+            return Stop(StopKind.BROKE, Cause.IN_BAND_ERROR, detail)
+        estimated = await self.client.finish(data)
+        return Stop(StopKind.DONE, usage_estimated=estimated)
+
+    def _produced(self, tokens: int, *, first: bool) -> Stop | None:
+        """Content reached the client: the stall clock starts again, and the watch is told.
+        The first content's gap is the TTFT (the watch took it when the stream opened), not
+        a token gap."""
         now = self._content_at = self.clock()
         self._check_at = None
         return None if first else self._acted(self.watch.observe(now, tokens=tokens))
