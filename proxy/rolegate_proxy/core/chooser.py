@@ -595,8 +595,7 @@ class Chooser:
             and held.role is role
             and held.candidates is candidates
             and held.epoch == epoch
-            and held.made_at <= now < held.until
-            and (held.counts == counts or now - held.made_at < BELIEF_COALESCE_SECONDS)
+            and _kept(held.made_at, held.until, held.counts == counts, now)
         ):
             return held.frontier
         plan = self.plan(role, candidates, exclusion, now)
@@ -687,10 +686,8 @@ class Chooser:
             and held.model is candidate.model
             and held.epoch == epoch
             and held.known == known
-            and held.made_at <= now < held.until
-            and (
-                (held.beliefs == beliefs and held.scores == scores)
-                or now - held.made_at < BELIEF_COALESCE_SECONDS
+            and _kept(
+                held.made_at, held.until, held.beliefs == beliefs and held.scores == scores, now
             )
         ):
             return held.ranked
@@ -977,6 +974,13 @@ class Chooser:
 
 _NO_NAMES: Final[frozenset[str]] = frozenset()
 _REFUSAL_ORDER: Final = {Fate.EXCLUDED: 0, Fate.FAILED: 1, Fate.PATIENCE: 2, Fate.ADMITTED: 3}
+
+
+def _kept(made_at: float, until: float, unchanged: bool, now: float) -> bool:
+    """Whether something derived at `made_at` still stands at `now`: before its `until`,
+    and with its sources `unchanged`, or changed less than the ledger's coalescing window
+    after it was made (the rankings and the frontier read the same way)."""
+    return made_at <= now < until and (unchanged or now - made_at < BELIEF_COALESCE_SECONDS)
 
 
 def _top_tier(fate: MachineFate) -> bool:
