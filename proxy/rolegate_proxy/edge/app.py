@@ -100,11 +100,17 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
     """One pooled client session for every upstream, and one that never reuses a
     connection, for the single retry of a pooled connection the upstream had closed."""
     state = app[STATE]
+    # No cookie jar: one pool serves every caller, so a cookie an upstream set on one
+    # caller's answer must never ride along on the next request, which may be another's.
     pooled = aiohttp.ClientSession(
-        connector=ReuseTellingConnector(limit=0, ttl_dns_cache=300), auto_decompress=True
+        connector=ReuseTellingConnector(limit=0, ttl_dns_cache=300),
+        auto_decompress=True,
+        cookie_jar=aiohttp.DummyCookieJar(),
     )
     fresh = aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, force_close=True), auto_decompress=True
+        connector=aiohttp.TCPConnector(limit=0, force_close=True),
+        auto_decompress=True,
+        cookie_jar=aiohttp.DummyCookieJar(),
     )
     state.dispatcher.upstreams = Upstreams(pooled, fresh, state.keys)
     yield
