@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Build the real Kubernetes control plane the tests run against: kube-apiserver, kubectl,
 # etcd and helm, from Go modules, once per machine, cached by version under
-# $ROLEGATE_CACHE (default $HOME/.cache/rolegate). Nothing built here is committed.
+# $ROLEGATE_CACHE (default $HOME/.cache/rolegate); and promtool, which checks the chart's
+# alert rules and dashboard queries. Nothing built here is committed.
 #
-#   hack/build-control-plane.sh            build what is missing; print the bin directory
-#   hack/build-control-plane.sh --bin-dir  print the bin directory; build nothing
+#   hack/build-control-plane.sh                 build what is missing; print the bin directory
+#   hack/build-control-plane.sh --bin-dir       print the bin directory; build nothing
+#   hack/build-control-plane.sh --promtool-dir  print promtool's directory; build nothing
 #
 # Re-running with everything built is instant. Runs that share a cache take turns on a
 # lock, so a second run waits for the first and then finds the binaries built. An
@@ -15,15 +17,24 @@ set -euo pipefail
 K8S_VERSION=${K8S_VERSION:-v1.34.4}
 ETCD_VERSION=${ETCD_VERSION:-v3.6.13}
 HELM_VERSION=${HELM_VERSION:-v3.19.0}
+# Prometheus 3.x's Go module versions are v0.3xx.y (v0.316.0 is Prometheus 3.16.0).
+PROMETHEUS_VERSION=${PROMETHEUS_VERSION:-v0.316.0}
 CACHE=${ROLEGATE_CACHE:-$HOME/.cache/rolegate}
 BIN="$CACHE/bin/k8s-$K8S_VERSION-etcd-$ETCD_VERSION-helm-$HELM_VERSION"
 TOOLS=(kube-apiserver kubectl etcd helm)
+# promtool has a directory of its own, keyed by its own version, so adding or bumping it
+# never rebuilds the control plane.
+PROMTOOL_DIR="$CACHE/bin/prometheus-$PROMETHEUS_VERSION"
 # How long a cold build took on this project's 2-core machine kind (docs/testing.md), so a
 # newcomer knows what the wait is.
 EXPECTED="about 6 minutes on 2 cores"
 
 if [ "${1:-}" = "--bin-dir" ]; then
   echo "$BIN"
+  exit 0
+fi
+if [ "${1:-}" = "--promtool-dir" ]; then
+  echo "$PROMTOOL_DIR"
   exit 0
 fi
 
@@ -34,6 +45,7 @@ have_all() {
   for tool in "${TOOLS[@]}"; do
     [ -x "$BIN/$tool" ] || return 1
   done
+  [ -x "$PROMTOOL_DIR/promtool" ]
 }
 
 if have_all; then
@@ -197,6 +209,15 @@ build_etcd() {
   install_binary etcd
 }
 
+build_promtool() {
+  # Prometheus's go.mod has no replace directives, so `go install pkg@version` works. The
+  # binary carries every service discovery's SDK: the longest single compile here.
+  step "building promtool $PROMETHEUS_VERSION" \
+    env GOBIN="$STAGE" go install "github.com/prometheus/prometheus/cmd/promtool@$PROMETHEUS_VERSION"
+  mkdir -p "$PROMTOOL_DIR"
+  mv -f "$STAGE/promtool" "$PROMTOOL_DIR/promtool"
+}
+
 build_helm() {
   local minor=${K8S_VERSION#v1.}
   minor=${minor%%.*}
@@ -218,7 +239,8 @@ mkdir -p "$BIN" "$STAGE" "$WORK"
 if [ ! -x "$BIN/etcd" ]; then build_etcd; fi
 if [ ! -x "$BIN/helm" ]; then build_helm; fi
 if [ ! -x "$BIN/kube-apiserver" ] || [ ! -x "$BIN/kubectl" ]; then build_kubernetes; fi
+if [ ! -x "$PROMTOOL_DIR/promtool" ]; then build_promtool; fi
 
-have_all || { log "build finished but a binary is missing in $BIN"; exit 1; }
+have_all || { log "build finished but a binary is missing in $BIN or $PROMTOOL_DIR"; exit 1; }
 log "built in $(elapsed) into $BIN"
 echo "$BIN"

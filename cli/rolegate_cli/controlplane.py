@@ -36,6 +36,9 @@ class ControlPlaneError(RuntimeError):
 
 
 TOOLS = ("kube-apiserver", "kubectl", "etcd", "helm")
+# Checks the chart's alert rules and dashboard queries. Built by the same script, into a
+# directory of its own keyed by Prometheus's version (`installed_promtool`).
+PROMTOOL = "promtool"
 # The one command that builds them (a step of `make test`, before pytest).
 BUILD_COMMAND = "make control-plane"
 
@@ -59,6 +62,24 @@ def installed_binaries() -> Path:
             f"{bin_dir}); build it once for this machine (about 6 minutes): {BUILD_COMMAND}"
         )
     return bin_dir
+
+
+def installed_promtool() -> Path:
+    """The promtool built with the control plane. Never builds it (`installed_binaries`)."""
+    result = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), "--promtool-dir"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    )
+    path = Path(result.stdout.strip()) / PROMTOOL
+    if not os.access(path, os.X_OK):
+        raise ControlPlaneError(
+            f"promtool is not built ({path} missing); build it once for this machine with "
+            f"the control plane: {BUILD_COMMAND}"
+        )
+    return path
 
 
 def free_port() -> int:

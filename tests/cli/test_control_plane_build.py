@@ -6,7 +6,8 @@ No test builds the control plane (that is `make control-plane`'s minutes, before
 These run the real script with a stand-in `go` first on the PATH: it records each call,
 starts a child that lives on unless its process group is stopped (as the real go command
 starts compilers and linkers), takes FAKE_GO_SECONDS (for the calls that mention
-FAKE_GO_SLOW, when it is set), then writes the binary it was asked for. What is under test
+FAKE_GO_SLOW, when it is set), then writes the binary it was asked for (`-o`, or the
+package's name in $GOBIN for `go install`). What is under test
 is the script's process and file handling, not Go.
 """
 
@@ -23,10 +24,19 @@ from pathlib import Path
 
 import pytest
 
-from rolegate_cli.controlplane import BUILD_SCRIPT, TOOLS, ControlPlaneError, installed_binaries
+from rolegate_cli.controlplane import (
+    BUILD_SCRIPT,
+    PROMTOOL,
+    TOOLS,
+    ControlPlaneError,
+    installed_binaries,
+    installed_promtool,
+)
 
 from ..support import interruptible
 from ..waiting import wait_for
+
+EVERY_TOOL = (*TOOLS, PROMTOOL)
 
 FAKE_GO = r"""#!/usr/bin/env bash
 set -eu
@@ -42,7 +52,7 @@ fi
 case "$*" in *"${FAKE_GO_SLOW:-}"*) sleep "${FAKE_GO_SECONDS:-0}";; esac
 out="" previous=""
 for arg in "$@"; do [ "$previous" = -o ] && out=$arg; previous=$arg; done
-[ "$1" = install ] && out="$GOBIN/helm"
+if [ "$1" = install ]; then pkg=${*: -1}; pkg=${pkg%@*}; out="$GOBIN/${pkg##*/}"; fi
 [ -n "$out" ] || exit 0
 name=$(basename "$out")
 case " ${FAKE_GO_FAIL:-} " in
@@ -62,8 +72,15 @@ class Build:
 
     @property
     def bin_dir(self) -> Path:
+        return self._dir("--bin-dir")
+
+    @property
+    def promtool(self) -> Path:
+        return self._dir("--promtool-dir") / PROMTOOL
+
+    def _dir(self, flag: str) -> Path:
         out = subprocess.run(
-            ["bash", str(BUILD_SCRIPT), "--bin-dir"], env=self.env, capture_output=True,
+            ["bash", str(BUILD_SCRIPT), flag], env=self.env, capture_output=True,
             text=True, check=True,
         ).stdout  # fmt: skip
         return Path(out.strip())
@@ -96,7 +113,7 @@ class Build:
             if words[0] == "build":
                 names.append(Path(words[words.index("-o") + 1]).name)
             elif words[0] == "install":
-                names.append("helm")
+                names.append(words[-1].partition("@")[0].rpartition("/")[2])
         return names
 
     def started_pids(self) -> list[int]:
@@ -144,8 +161,10 @@ def test_a_build_makes_every_tool_once_and_a_second_run_builds_nothing(build: Bu
     first = build.run()
     assert first.returncode == 0, first.stderr
     assert first.stdout.strip() == str(build.bin_dir)
-    assert sorted(build.builds()) == sorted(TOOLS)
+    assert sorted(build.builds()) == sorted(EVERY_TOOL)
     assert all(os.access(build.bin_dir / tool, os.X_OK) for tool in TOOLS)
+    assert os.access(build.promtool, os.X_OK)
+    assert build.promtool.parent != build.bin_dir  # keyed by its own version
     assert not build.bin_dir.with_name(build.bin_dir.name + ".partial").exists()
     # Progress for a newcomer: what it is doing, how long it takes, where go's output went.
     assert "about 6 minutes" in first.stderr
@@ -155,7 +174,7 @@ def test_a_build_makes_every_tool_once_and_a_second_run_builds_nothing(build: Bu
     again = build.run()
     assert again.returncode == 0
     assert "already built" in again.stderr
-    assert len(build.builds()) == len(TOOLS)
+    assert len(build.builds()) == len(EVERY_TOOL)
 
 
 def test_the_bin_dir_is_named_without_go_and_without_building(build: Build) -> None:
@@ -178,7 +197,7 @@ def test_concurrent_builds_take_turns_and_build_once(build: Build) -> None:
     assert "waiting for it to finish" in err_second
     assert "built by the other run" in err_second
     assert out_first == out_second
-    assert sorted(build.builds()) == sorted(TOOLS)  # each tool once, not twice
+    assert sorted(build.builds()) == sorted(EVERY_TOOL)  # each tool once, not twice
 
 
 @pytest.mark.parametrize(("sent", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
@@ -196,6 +215,7 @@ def test_an_interrupted_build_stops_all_it_started_and_keeps_nothing(
     wait_for(lambda: not any(_alive(pid) for pid in build.started_pids()), "every child to stop")
     # The build was cut short: no binary of anything.
     assert not [tool for tool in TOOLS if (build.bin_dir / tool).exists()]
+    assert not build.promtool.exists()
     assert not build.bin_dir.with_name(build.bin_dir.name + ".partial").exists()
 
 
@@ -230,7 +250,21 @@ def test_a_missing_control_plane_fails_at_once_with_the_command_to_run(
     monkeypatch.setenv("PATH", build.env["PATH"])
     with pytest.raises(ControlPlaneError, match="make control-plane"):
         installed_binaries()
+    with pytest.raises(ControlPlaneError, match=r"promtool is not built.*make control-plane"):
+        installed_promtool()
     assert build.calls() == []
+
+
+def test_promtool_alone_is_built_where_the_control_plane_is(build: Build) -> None:
+    """A cache built before promtool joined the script (or after a bump of its version)
+    gets promtool only: the control plane is not built again."""
+    assert build.run().returncode == 0
+    build.promtool.unlink()
+    again = build.run()
+    assert again.returncode == 0, again.stderr
+    assert build.builds().count(PROMTOOL) == 2
+    assert len(build.builds()) == len(EVERY_TOOL) + 1
+    assert os.access(build.promtool, os.X_OK)
 
 
 def test_rolegate_dev_cluster_without_a_build_says_what_to_run(build: Build) -> None:

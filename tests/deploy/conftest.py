@@ -126,46 +126,55 @@ def install(
     )  # fmt: skip
 
 
-# A stand-in for the Prometheus Operator's ServiceMonitor CRD: the chart's optional
-# ServiceMonitor can only be applied where the kind exists, and the real CRD is large and
-# not ours to vendor. Accepting any spec is enough to prove the object is stored under
-# the right group, version and kind; its fields are checked on the rendered manifest.
-SERVICE_MONITOR_CRD: dict[str, Any] = {
-    "apiVersion": "apiextensions.k8s.io/v1",
-    "kind": "CustomResourceDefinition",
-    "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
-    "spec": {
-        "group": "monitoring.coreos.com",
-        "names": {
-            "kind": "ServiceMonitor",
-            "listKind": "ServiceMonitorList",
-            "plural": "servicemonitors",
-            "singular": "servicemonitor",
+def stand_in_crd(kind: str, plural: str) -> dict[str, Any]:
+    """A stand-in for one of the Prometheus Operator's CRDs (monitoring.coreos.com/v1): the
+    chart's optional ServiceMonitors and PrometheusRule can only be applied where the kind
+    exists, and the real CRDs are large and not ours to vendor. Accepting any spec is
+    enough to prove the object is stored under the right group, version and kind; its
+    fields are checked on the rendered manifest (and the rules by promtool)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.monitoring.coreos.com"},
+        "spec": {
+            "group": "monitoring.coreos.com",
+            "names": {
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": kind.lower(),
+            },
+            "scope": "Namespaced",
+            "versions": [
+                {
+                    "name": "v1",
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "x-kubernetes-preserve-unknown-fields": True,
+                        }
+                    },
+                }
+            ],
         },
-        "scope": "Namespaced",
-        "versions": [
-            {
-                "name": "v1",
-                "served": True,
-                "storage": True,
-                "schema": {
-                    "openAPIV3Schema": {
-                        "type": "object",
-                        "x-kubernetes-preserve-unknown-fields": True,
-                    }
-                },
-            }
-        ],
-    },
-}
+    }
+
+
+STAND_IN_CRDS = (
+    stand_in_crd("ServiceMonitor", "servicemonitors"),
+    stand_in_crd("PrometheusRule", "prometheusrules"),
+)
 
 
 @pytest.fixture(scope="session")
 def chart_cluster(crds: ControlPlane) -> ControlPlane:
-    """The control plane with the rolegate CRDs and the ServiceMonitor stand-in."""
-    crds.kubectl("apply", "-f", "-", input=json.dumps(SERVICE_MONITOR_CRD))
+    """The control plane with the rolegate CRDs and the Prometheus Operator stand-ins."""
+    for crd in STAND_IN_CRDS:
+        crds.kubectl("apply", "-f", "-", input=json.dumps(crd))
     crds.kubectl(
         "wait", "--for=condition=established", "--timeout=60s",
-        "crd/servicemonitors.monitoring.coreos.com",
+        *(f"crd/{crd['metadata']['name']}" for crd in STAND_IN_CRDS),
     )  # fmt: skip
     return crds

@@ -829,7 +829,7 @@ def test_labels_on_every_object(renders: dict[str, Docs], case: str) -> None:
         missing = [label for label in STANDARD_LABELS if label not in labels]
         assert not missing, (doc["kind"], doc["metadata"]["name"], missing)
         assert labels["app.kubernetes.io/instance"] == RELEASE
-        assert labels["app.kubernetes.io/component"] in ("operator", "proxy")
+        assert labels["app.kubernetes.io/component"] in ("operator", "proxy", "monitoring")
         assert labels["app.kubernetes.io/managed-by"] == "Helm"
         spec = doc.get("spec", {})
         selector = spec.get("selector", {})

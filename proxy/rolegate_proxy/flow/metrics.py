@@ -107,6 +107,8 @@ class ProxyMetrics:
         self._counts: dict[Any, float] = {}
         self.machine_label = MachineLabels(max_machines)
         self._scores = _ScoreGauges()
+        # The label sets `rolegate_breaker_open` holds (`observe_breakers`).
+        self._excluded: set[tuple[str, str, str, str, str]] = set()
         self._score_views: Callable[[], Iterable[_Views]] = tuple
         # Request-level series are fed by the outcome channel (a consumer, off the
         # request path); `rolegate_outcomes_dropped_total` says how many it lost.
@@ -457,19 +459,30 @@ class ProxyMetrics:
         ).inc()
 
     def observe_breakers(self, states: Iterable[BreakerView]) -> None:
-        self.breaker_open.clear()
+        """Set the excluded keys' series, and remove only those no longer excluded: a
+        scrape renders in a worker thread while this runs on the loop, and a series
+        cleared and set again could be missed by it, which Prometheus takes for the
+        series' end (an alert on how long a key is excluded would start over)."""
+        excluded: set[tuple[str, str, str, str, str]] = set()
         for state in states:
             if state.state is BreakerPhase.CLOSED:
                 continue
             key = state.key
             # Folded breakers share one series: 1 while any of them is excluded.
-            self.breaker_open.labels(
-                key.provider,
-                key.model or "",
-                self.machine_label(key.provider, key.machine or ""),
-                state.cause.value,
-                state.state.value,
-            ).set(1)
+            excluded.add(
+                (
+                    key.provider,
+                    key.model or "",
+                    self.machine_label(key.provider, key.machine or ""),
+                    state.cause.value,
+                    state.state.value,
+                )
+            )
+        for labels in excluded:
+            self.breaker_open.labels(*labels).set(1)
+        for labels in self._excluded - excluded:
+            self.breaker_open.remove(*labels)
+        self._excluded = excluded
 
 
 # One page rendered at a time in the process: the cycle collector is paused while one is.

@@ -179,3 +179,13 @@ would admit everyone.
 {{- with $from.namespaceSelector }}{{ $peers = append $peers (dict "namespaceSelector" .) }}{{ end }}
 {{- concat $peers ($from.extraPeers | default list) | toJson }}
 {{- end }}
+
+{{/*
+PromQL label matchers selecting one component's series in the alert rules: the values'
+prometheusRule.<component>Selector, else the job the chart's ServiceMonitor gives them
+(the Service's name) in the release namespace. Call with (dict "root" $ "component" "proxy").
+*/}}
+{{- define "rolegate.metricsSelector" -}}
+{{- $given := get .root.Values.prometheusRule (printf "%sSelector" .component) }}
+{{- $given | default (printf "job=%q,namespace=%q" (printf "%s-%s" (include "rolegate.fullname" .root) .component) .root.Release.Namespace) }}
+{{- end }}
