@@ -8,6 +8,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TextIO
 
 from rolegate_cli.logs import LogFormat, configure_logging
 
@@ -519,7 +520,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _log_report(report: object) -> None:
+def _log_report(report: TextIO) -> None:
     if isinstance(report, io.StringIO):
         for line in filter(None, report.getvalue().splitlines()):
             logging.getLogger(REPORT_LOGGER).info("%s", line)
