@@ -3,20 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TextIO
+
+from rolegate_cli.logs import LogFormat, configure_logging
+
+REPORT_LOGGER = "rolegate.compile"
+ALWAYS_SHOWN = (REPORT_LOGGER, "rolegate.proxy.started")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.log_level, args.log_format)
+    # What the commands always said on stderr (the compile report, where the proxy
+    # listens) shows at every level, now as log lines.
+    for name in ALWAYS_SHOWN:
+        logging.getLogger(name).setLevel(logging.INFO)
     handler: Callable[[argparse.Namespace], int] = args.handler
     return handler(args)
 
@@ -27,7 +34,18 @@ def _parser() -> argparse.ArgumentParser:
         description="A Kubernetes-native routing proxy for LLM traffic.",
     )
     parser.add_argument(
-        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="info adds the proxy's access log: one line per request (default: warning)",
+    )
+    parser.add_argument(
+        "--log-format",
+        type=LogFormat,
+        default=LogFormat.TEXT,
+        choices=list(LogFormat),
+        help="json: one object per line with time, level, logger, message and the line's "
+        "fields (request_id, role, provider, machine, outcome, ...) (default: text)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -446,11 +464,15 @@ def _run_proxy(args: argparse.Namespace) -> int:
         # Not ready until the first configuration arrives from the API server.
         config = ProxyConfig()
     else:
+        # As JSON, the compile report is log lines like the rest of stderr.
+        report = io.StringIO() if args.log_format is LogFormat.JSON else sys.stderr
         try:
-            config = load_standalone_config(args.manifests, sys.stderr)
+            config = load_standalone_config(args.manifests, report)
         except StandaloneConfigError as error:
+            _log_report(report)
             print(f"rolegate proxy: {error}", file=sys.stderr)
             return 2
+        _log_report(report)
     if args.metrics_host is not None and args.metrics_port is None:
         print("rolegate proxy: --metrics-host needs --metrics-port", file=sys.stderr)
         return 2
@@ -496,6 +518,12 @@ def _run_proxy(args: argparse.Namespace) -> int:
         print(f"rolegate proxy: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _log_report(report: TextIO) -> None:
+    if isinstance(report, io.StringIO):
+        for line in filter(None, report.getvalue().splitlines()):
+            logging.getLogger(REPORT_LOGGER).info("%s", line)
 
 
 def _run_operator(args: argparse.Namespace) -> int:

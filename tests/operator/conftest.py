@@ -59,11 +59,17 @@ class OperatorProcess:
     """`rolegate operator` in a subprocess; its log goes to a file (a full pipe would
     block it) and is printed at teardown, so a failing test shows it."""
 
-    def __init__(self, plane: ControlPlane, args: Sequence[str], log_path: Path) -> None:
+    def __init__(
+        self,
+        plane: ControlPlane,
+        args: Sequence[str],
+        log_path: Path,
+        options: Sequence[str] = ("--log-level", "info"),
+    ) -> None:
         self.log_path = log_path
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rolegate_cli.main", "--log-level", "info", "operator", *args],
+            [sys.executable, "-m", "rolegate_cli.main", *options, "operator", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=REPO_ROOT,
@@ -92,7 +98,9 @@ class OperatorProcess:
 
 
 class StartOperator(Protocol):
-    def __call__(self, *args: str, kubeconfig: Path | None = None) -> OperatorProcess: ...
+    def __call__(
+        self, *args: str, kubeconfig: Path | None = None, options: Sequence[str] = ...
+    ) -> OperatorProcess: ...
 
 
 @pytest.fixture
@@ -104,8 +112,12 @@ def cluster(crds: ControlPlane, namespace: str) -> Cluster:
 def start_operator(cluster: Cluster, tmp_path: Path) -> Iterator[StartOperator]:
     started: list[OperatorProcess] = []
 
-    def start(*args: str, kubeconfig: Path | None = None) -> OperatorProcess:
-        """`rolegate operator ARGS` (default: `--namespace` the test's namespace)."""
+    def start(
+        *args: str,
+        kubeconfig: Path | None = None,
+        options: Sequence[str] = ("--log-level", "info"),
+    ) -> OperatorProcess:
+        """`rolegate OPTIONS operator ARGS` (default: `--namespace` the test's namespace)."""
         process = OperatorProcess(
             cluster.plane,
             [
@@ -113,6 +125,7 @@ def start_operator(cluster: Cluster, tmp_path: Path) -> Iterator[StartOperator]:
                 "--kubeconfig", str(kubeconfig or cluster.plane.kubeconfig),
             ],
             tmp_path / f"operator-{len(started)}.log",
+            options,
         )  # fmt: skip
         started.append(process)
         return process

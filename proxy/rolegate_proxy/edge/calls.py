@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import random
 import time
@@ -24,8 +23,6 @@ from ..wire.chat_request import ROLE_HEADER, choose_role, parse_body, validate_c
 from ..wire.errors import ProxyError
 from .callers import OverLimit, rate_limited
 from .state import ProxyState
-
-log = logging.getLogger("rolegate.proxy")
 
 CLIENT_GONE = 499
 
@@ -128,13 +125,8 @@ class Call:
                 error_code=self.error_code,
             )
         self.state.access.charge(outcome)
+        # The access line is written from this record too (access_log.py), off this path.
         self.state.outcomes.emit(outcome)
-        if log.isEnabledFor(logging.INFO):  # (its arguments are not worked out otherwise)
-            log.info(
-                "request id=%s role=%s status=%d outcome=%s ms=%.1f",
-                self.request_id, outcome.role or "-", self.status, outcome.outcome.value,
-                outcome.latency_seconds * 1000,
-            )  # fmt: skip
 
 
 def request_id(request: web.Request) -> str:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
 import signal
-import sys
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -21,6 +21,10 @@ from .configmap_source import ConfigMapSource
 from .connections import ConnectionLimits, ProxyRunner
 from .settings import ProxySettings
 from .state import STATE, ProxyState
+
+# Where the proxy listens: always shown (`rolegate` sets this logger to INFO), in the
+# chosen log format.
+started = logging.getLogger("rolegate.proxy.started")
 
 
 class CannotListen(Exception):
@@ -157,11 +161,7 @@ def serve(
         settle_garbage_collector()
         origin = source.describe if source else f"{len(config.roles)} roles, config {config.hash}"
         metrics = f", metrics on {running.metrics.url}" if running.metrics else ""
-        print(
-            f"rolegate proxy listening on {running.url} ({origin}){metrics}",
-            file=sys.stderr,
-            flush=True,
-        )
+        started.info("rolegate proxy listening on %s (%s)%s", running.url, origin, metrics)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

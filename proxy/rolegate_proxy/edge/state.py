@@ -31,6 +31,7 @@ from ..core.score_feed import ScoreFeed
 from ..core.verdicts import VerdictLog
 from ..flow.dispatch import Dispatcher
 from ..flow.metrics import ProxyMetrics
+from .access_log import log_access
 from .callers import AccessGate, NoCluster
 from .configmap_source import ConfigMapSource
 from .credentials import KeyStore
@@ -95,6 +96,7 @@ class ProxyState:
             self.metrics.observe_outcomes,
             self.decisions,
             self.served,
+            log_access,
         ]
         if settings.outcome_export is not None:
             self.exporter = OutcomeExporter(settings.outcome_export)
