@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -432,6 +433,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
     from rolegate_proxy.edge.server import CannotListen, serve
     from rolegate_proxy.edge.settings import ProxySettings
     from rolegate_proxy.edge.standalone import StandaloneConfigError, load_standalone_config
+    from rolegate_proxy.edge.tracing import TracingUnavailable, from_environment
 
     source: ConfigMapSource | None = None
     if args.configmap is not None:
@@ -461,6 +463,12 @@ def _run_proxy(args: argparse.Namespace) -> int:
         except OSError as error:
             print(f"rolegate proxy: cannot read --admin-token-file: {error}", file=sys.stderr)
             return 2
+    try:
+        # OpenTelemetry traces: off unless the standard OTEL_* environment asks for them.
+        tracing = from_environment(os.environ)
+    except TracingUnavailable as error:
+        print(f"rolegate proxy: {error}", file=sys.stderr)
+        return 2
     settings = ProxySettings(
         admin_token=admin_token,
         host=args.host,
@@ -489,6 +497,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         state_file=args.state_file,
         state_save_seconds=args.state_save_seconds,
         memory_publish_seconds=args.memory_publish_seconds,
+        tracing=tracing,
     )
     try:
         serve(settings, config, source)
