@@ -435,6 +435,12 @@ def _run_proxy(args: argparse.Namespace) -> int:
     from rolegate_proxy.edge.standalone import StandaloneConfigError, load_standalone_config
     from rolegate_proxy.edge.tracing import TracingUnavailable, from_environment
 
+    try:
+        # OpenTelemetry traces: off unless the standard OTEL_* environment asks for them.
+        tracing = from_environment(os.environ)
+    except TracingUnavailable as error:
+        print(f"rolegate proxy: {error}", file=sys.stderr)
+        return 2
     source: ConfigMapSource | None = None
     if args.configmap is not None:
         namespace, _, name = args.configmap.partition("/")
@@ -463,12 +469,6 @@ def _run_proxy(args: argparse.Namespace) -> int:
         except OSError as error:
             print(f"rolegate proxy: cannot read --admin-token-file: {error}", file=sys.stderr)
             return 2
-    try:
-        # OpenTelemetry traces: off unless the standard OTEL_* environment asks for them.
-        tracing = from_environment(os.environ)
-    except TracingUnavailable as error:
-        print(f"rolegate proxy: {error}", file=sys.stderr)
-        return 2
     settings = ProxySettings(
         admin_token=admin_token,
         host=args.host,
