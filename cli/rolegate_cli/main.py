@@ -362,6 +362,13 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="run the simulated provider and the proxy, with traffic"
     )
     demo.add_argument("--requests", type=int, default=60, help="how many requests to send")
+    demo.add_argument(
+        "--trace-file",
+        type=Path,
+        default=None,
+        help="write every span (OpenTelemetry, as JSON lines) to this file and show one "
+        "request's spans; needs the tracing extra",
+    )
     demo.set_defaults(handler=_run_demo)
     return parser
 
@@ -617,7 +624,16 @@ def _run_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_demo(requests=args.requests)
+    if args.trace_file is not None:
+        try:
+            import opentelemetry.sdk.trace  # noqa: F401 (only whether it is there)
+        except ImportError:
+            from rolegate_proxy.edge.tracing import INSTALL_HINT
+
+            print(f"rolegate demo: --trace-file needs the OpenTelemetry SDK; {INSTALL_HINT}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    return run_demo(requests=args.requests, trace_file=args.trace_file)
 
 
 if __name__ == "__main__":
