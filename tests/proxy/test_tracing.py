@@ -360,6 +360,30 @@ async def test_an_unsampled_caller_is_not_exported_but_its_flag_goes_upstream(
     assert records[0]["traceparent"].endswith("-00")
 
 
+async def test_a_sampling_ratio_of_zero_exports_only_what_a_sampled_caller_asks_for(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    exporter = InMemorySpanExporter()
+    sim = await sim_server(
+        {"seed": 1, "models": [{"name": MODEL, "reply": "ok", "machines": [{"name": "m"}]}]}
+    )
+    proxy = await proxy_server(
+        [
+            provider_policy("p", f"{sim.url}/v1", {MODEL: ["m"]}, dialect="OpenAI"),
+            role_table(role("agent", [MODEL])),
+        ],
+        # OTEL_TRACES_SAMPLER=parentbased_traceidratio, OTEL_TRACES_SAMPLER_ARG=0
+        tracing=_tracing(exporter, ratio=0.0),
+    )
+    async with openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0) as ai:
+        await ai.chat.completions.create(model="agent", messages=PROMPT)
+    await _one_traced_request(proxy)
+    spans = await _spans(exporter, 2)
+    # The first request's spans, had they been kept, were queued before the second's.
+    assert len(spans) == 2
+    assert {f"{s.context.trace_id:032x}" for s in spans if s.context} == {CALLER_TRACE}
+
+
 class _Blocked(SpanExporter):
     """An exporter stuck in its first export until released: a collector that hangs."""
 

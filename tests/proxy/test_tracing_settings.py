@@ -137,3 +137,59 @@ def test_a_request_joins_its_callers_trace_or_starts_its_own() -> None:
     assert TraceIds(1, 2, sampled=False).traceparent(0xAB) == f"00-{1:032x}-{0xAB:016x}-00"
     assert clean_tracestate("a=1\r\nX-Injected: 1") == ""
     assert clean_tracestate("x" * 600) == ""
+
+
+@pytest.mark.parametrize(
+    ("sampler", "argument", "expected"),
+    [
+        (None, None, (1.0, True)),
+        ("always_on", None, (1.0, False)),
+        ("always_off", None, (0.0, False)),
+        ("traceidratio", "0.25", (0.25, False)),
+        ("parentbased_traceidratio", "0.1", (0.1, True)),
+        ("parentbased_always_off", None, (0.0, True)),
+    ],
+)
+def test_the_sampler_comes_from_otel_traces_sampler(
+    sampler: str | None, argument: str | None, expected: tuple[float, bool]
+) -> None:
+    environ = {"OTEL_TRACES_EXPORTER": "console"}
+    if sampler is not None:
+        environ["OTEL_TRACES_SAMPLER"] = sampler
+    if argument is not None:
+        environ["OTEL_TRACES_SAMPLER_ARG"] = argument
+    settings = from_environment(environ)
+    assert settings is not None
+    assert (settings.ratio, settings.parent_based) == expected
+
+
+@pytest.mark.parametrize(
+    ("sampler", "argument", "says"),
+    [
+        ("jaeger_remote", None, "OTEL_TRACES_SAMPLER='jaeger_remote' is not one rolegate applies"),
+        ("traceidratio", "1.5", "OTEL_TRACES_SAMPLER_ARG must be a ratio from 0 to 1, not '1.5'"),
+        ("traceidratio", "half", "OTEL_TRACES_SAMPLER_ARG must be a ratio from 0 to 1, not 'half'"),
+    ],
+)
+def test_a_sampler_rolegate_cannot_apply_is_refused(
+    sampler: str, argument: str | None, says: str
+) -> None:
+    environ = {"OTEL_TRACES_EXPORTER": "console", "OTEL_TRACES_SAMPLER": sampler}
+    if argument is not None:
+        environ["OTEL_TRACES_SAMPLER_ARG"] = argument
+    with pytest.raises(TracingUnavailable, match=says):
+        from_environment(environ)
+
+
+def test_sampling_by_ratio_keeps_that_share_of_new_traces_and_follows_a_parent() -> None:
+    kept = sum(request_ids(None, None, 0.25).sampled for _ in range(4000))
+    assert 800 < kept < 1200
+    assert not any(request_ids(None, None, 0.0).sampled for _ in range(200))
+    sampled_parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    unsampled_parent = sampled_parent[:-2] + "00"
+    # Parent-based: the caller's flag decides, whatever the ratio.
+    assert request_ids(sampled_parent, None, 0.0, parent_based=True).sampled
+    assert not request_ids(unsampled_parent, None, 1.0, parent_based=True).sampled
+    # Not parent-based: the ratio decides, on the caller's trace id.
+    assert not request_ids(sampled_parent, None, 0.0, parent_based=False).sampled
+    assert request_ids(unsampled_parent, None, 1.0, parent_based=False).sampled

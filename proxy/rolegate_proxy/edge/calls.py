@@ -47,11 +47,15 @@ class Call:
         self.error_code: str | None = None
         # The request's trace ids, when tracing is on: its arms' spans are drawn under
         # them, and an upstream that takes the trace context is told of them.
+        spans = state.spans
         self.trace = (
             None
-            if state.spans is None
+            if spans is None
             else tracing.request_ids(
-                request.headers.get("traceparent"), request.headers.get("tracestate")
+                request.headers.get("traceparent"),
+                request.headers.get("tracestate"),
+                spans.settings.ratio,
+                spans.settings.parent_based,
             )
         )
 

@@ -44,6 +44,10 @@ class TraceSettings:
     max_batch: int = DEFAULT_BATCH
     delay_seconds: float = DEFAULT_DELAY
     export_timeout_seconds: float = DEFAULT_EXPORT_TIMEOUT
+    # Sampling (OTEL_TRACES_SAMPLER): the share of new traces kept, and whether a caller's
+    # sampled flag decides for its requests.
+    ratio: float = 1.0
+    parent_based: bool = True
 
 
 def from_environment(environ: Mapping[str, str]) -> TraceSettings | None:
@@ -94,7 +98,10 @@ def from_environment(environ: Mapping[str, str]) -> TraceSettings | None:
             f"OTEL_* asks for traces but the OpenTelemetry SDK is not installed "
             f"({missing.name}); {INSTALL_HINT}, or unset OTEL_TRACES_EXPORTER"
         ) from None
+    ratio, parent_based = _sampler(environ)
     return TraceSettings(
+        ratio=ratio,
+        parent_based=parent_based,
         exporter=exporters[0] if len(exporters) == 1 else _fan_out(exporters),
         max_queue=_positive(environ, "OTEL_BSP_MAX_QUEUE_SIZE", DEFAULT_QUEUE),
         max_batch=_positive(environ, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", DEFAULT_BATCH),
@@ -104,6 +111,38 @@ def from_environment(environ: Mapping[str, str]) -> TraceSettings | None:
         )
         / 1000,
     )
+
+
+_SAMPLERS: Final = {
+    "always_on": (1.0, False),
+    "always_off": (0.0, False),
+    "traceidratio": (None, False),
+    "parentbased_always_on": (1.0, True),
+    "parentbased_always_off": (0.0, True),
+    "parentbased_traceidratio": (None, True),
+}
+
+
+def _sampler(environ: Mapping[str, str]) -> tuple[float, bool]:
+    """(ratio, parent-based) from OTEL_TRACES_SAMPLER and its argument; the SDK's default
+    is parent-based, always on."""
+    name = environ.get("OTEL_TRACES_SAMPLER", "").strip().lower() or "parentbased_always_on"
+    if name not in _SAMPLERS:
+        raise TracingUnavailable(
+            f"OTEL_TRACES_SAMPLER={name!r} is not one rolegate applies: " + ", ".join(_SAMPLERS)
+        )
+    ratio, parent_based = _SAMPLERS[name]
+    if ratio is None:
+        raw = environ.get("OTEL_TRACES_SAMPLER_ARG", "").strip() or "1.0"
+        try:
+            ratio = float(raw)
+        except ValueError:
+            ratio = -1.0
+        if not 0.0 <= ratio <= 1.0:
+            raise TracingUnavailable(
+                f"OTEL_TRACES_SAMPLER_ARG must be a ratio from 0 to 1, not {raw!r}"
+            )
+    return ratio, parent_based
 
 
 def _positive(environ: Mapping[str, str], name: str, default: float) -> int:

@@ -21,20 +21,39 @@ _TRACE: contextvars.ContextVar[TraceIds | None] = contextvars.ContextVar(
 # Ids: random bits from a generator seeded once from the OS (as the SDK's own id generator
 # does; the W3C spec asks for randomness, not secrecy).
 _ids = random.Random(os.urandom(32))
+# A ratio sampler reads the trace id's low 64 bits against the ratio of this bound.
+_LOW_64 = (1 << 64) - 1
+_BOUND = 1 << 64
 
 
 def span_id() -> int:
     return _ids.getrandbits(64) or 1
 
 
-def request_ids(traceparent: str | None, tracestate: str | None) -> TraceIds:
+def request_ids(
+    traceparent: str | None,
+    tracestate: str | None,
+    ratio: float = 1.0,
+    parent_based: bool = True,
+) -> TraceIds:
     """The request span's ids: a child of the caller's span when it sent a valid
-    `traceparent` (its sampling decision honoured), else the root of a new, sampled trace."""
+    `traceparent`, else the root of a new trace. Sampled as the caller's span was
+    (`parent_based`), else when the trace id falls within `ratio` (the SDK's
+    TraceIdRatioBased rule, so every service sampling by ratio keeps the same traces)."""
     parent = parse_traceparent(traceparent)
     if parent is None:
-        return TraceIds(_ids.getrandbits(128) or 1, span_id())
+        trace_id = _ids.getrandbits(128) or 1
+        return TraceIds(trace_id, span_id(), 0, _within(trace_id, ratio))
     trace_id, parent_id, sampled = parent
+    if not parent_based:
+        sampled = _within(trace_id, ratio)
     return TraceIds(trace_id, span_id(), parent_id, sampled, clean_tracestate(tracestate))
+
+
+def _within(trace_id: int, ratio: float) -> bool:
+    if ratio >= 1.0:
+        return True
+    return (trace_id & _LOW_64) < round(ratio * _BOUND)
 
 
 def begin(ids: TraceIds) -> contextvars.Token[TraceIds | None]:
