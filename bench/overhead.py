@@ -268,6 +268,12 @@ def main() -> int:
     parser.add_argument(
         "--trace", action="store_true", help="the proxy exports spans to an OTLP receiver"
     )
+    parser.add_argument(
+        "--trace-ratio",
+        type=float,
+        default=1.0,
+        help="with --trace, the share of requests traced (parentbased_traceidratio)",
+    )
     args = parser.parse_args()
 
     sim_port, proxy_port = free_port(), free_port()
@@ -286,6 +292,9 @@ def main() -> int:
             )  # fmt: skip
             # The SDK's defaults otherwise (a 2048-span queue, batches of 512, every 5 s).
             proxy_env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver_url
+            if args.trace_ratio < 1.0:
+                proxy_env["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
+                proxy_env["OTEL_TRACES_SAMPLER_ARG"] = str(args.trace_ratio)
         sim = subprocess.Popen(
             [*cli, "sim", "--scenario", str(scenario), "--port", str(sim_port)], env=env
         )
