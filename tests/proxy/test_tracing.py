@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import openai
+import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -454,3 +455,51 @@ async def test_a_stuck_exporter_drops_and_counts_spans_and_never_slows_a_request
 async def _dropped_if(url: str, count: float) -> float | None:
     dropped = await _dropped(url)
     return dropped if dropped >= count else None
+
+
+class _Refusing(SpanExporter):
+    """A collector that refuses every batch, then one whose exporter raises."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.calls += 1
+        if self.calls == 1:
+            return SpanExportResult.FAILURE
+        raise RuntimeError("an exporter's own bug")
+
+
+async def _counter(url: str, name: str) -> float:
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"{url}/metrics")).text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(f"{name} ")]
+    return float(line.split()[-1])
+
+
+async def test_a_refused_or_failing_export_is_counted_and_the_export_goes_on(
+    sim_server: SimFactory, proxy_server: ProxyFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    exporter = _Refusing()
+    sim = await sim_server(
+        {"seed": 1, "models": [{"name": MODEL, "reply": "ok", "machines": [{"name": "m"}]}]}
+    )
+    proxy = await proxy_server(
+        [
+            provider_policy("p", f"{sim.url}/v1", {MODEL: ["m"]}, dialect="OpenAI"),
+            role_table(role("agent", [MODEL])),
+        ],
+        tracing=_tracing(exporter),
+    )
+    async with openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0) as ai:
+        for expected in (2, 4):  # each request's two spans
+            await ai.chat.completions.create(model="agent", messages=PROMPT)
+
+            async def failed(count: float = expected) -> float | None:
+                found = await _counter(proxy.url, "rolegate_trace_spans_failed_total")
+                return found if found >= count else None
+
+            assert await eventually(failed, what=f"{expected} spans failed") == expected
+    assert await _counter(proxy.url, "rolegate_trace_spans_exported_total") == 0
+    # The exporter's bug is logged (and the thread lives on: the second batch was tried).
+    assert any("span exporter" in r.getMessage() for r in caplog.records)
