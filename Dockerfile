@@ -33,9 +33,11 @@ COPY cli/ cli/
 # imported once as a smoke test, and all modules are byte-compiled now so that nothing
 # has to be written at run time. unchecked-hash .pyc files stay valid whatever the copy
 # does to the sources' timestamps.
-RUN /opt/rolegate/bin/pip install --no-cache-dir -c constraints.txt . \
+# The tracing extra is in: traces stay off until the pod's OTEL_* environment asks for them
+# (docs/tracing.md).
+RUN /opt/rolegate/bin/pip install --no-cache-dir -c constraints.txt '.[tracing]' \
  && /opt/rolegate/bin/pip uninstall --yes setuptools wheel pip \
- && /opt/rolegate/bin/python -c "import rolegate_cli.main, rolegate_operator.main, rolegate_proxy.edge.server, rolegate_sim.server" \
+ && /opt/rolegate/bin/python -c "import rolegate_cli.main, rolegate_operator.main, rolegate_proxy.edge.server, rolegate_proxy.edge.span_export, rolegate_sim.server" \
  && /opt/rolegate/bin/python -m compileall -q -f --invalidation-mode unchecked-hash /opt/rolegate/lib \
  && /opt/rolegate/bin/rolegate --help > /dev/null
 

@@ -6,7 +6,10 @@ as visible as it gets), the proxy in standalone mode, and this load generator. D
 proxied requests run in alternating rounds so both see the same machine noise, and every
 figure below comes from one run: added milliseconds at the median and p95, and the ratio.
 
-Run: `make bench` (or `.venv/bin/python bench/overhead.py --rounds 5`).
+Run: `make bench` (or `.venv/bin/python bench/overhead.py --rounds 5`). With `--trace` the
+proxy exports OpenTelemetry spans (configured by OTEL_* alone, as an operator would) to a
+real OTLP/HTTP receiver on loopback (`otlp_receiver.py`, a fourth process); run with and
+without it in alternation to see what tracing adds.
 """
 
 from __future__ import annotations
@@ -227,6 +230,34 @@ async def measure(args: argparse.Namespace, sim_url: str, proxy_url: str) -> lis
     return rows
 
 
+async def trace_counts(proxy_url: str, receiver_url: str) -> str:
+    """Tracing's own figures once the proxy's queue has been exported (at most one batch
+    delay): spans the receiver got, and the proxy's counts of exported and dropped ones."""
+    received, counts = 0, {}
+    async with aiohttp.ClientSession() as session:
+        for _ in range(100):
+            async with session.get(f"{proxy_url}/metrics") as response:
+                page = await response.text()
+            counts = {
+                line.split()[0]: float(line.split()[1])
+                for line in page.splitlines()
+                if line.startswith("rolegate_trace_spans_")
+            }
+            if counts.get("rolegate_trace_spans_exported_total", 0) > 0:
+                queued_out = counts["rolegate_trace_spans_exported_total"]
+                async with session.get(f"{receiver_url}/count") as response:
+                    received = (await response.json())["spans"]
+                if received >= queued_out:
+                    break
+            await asyncio.sleep(0.1)
+    return (
+        f"tracing on: OTLP/HTTP to a receiver on loopback; spans received {received}, "
+        f"exported {counts.get('rolegate_trace_spans_exported_total', 0):.0f}, "
+        f"dropped {counts.get('rolegate_trace_spans_dropped_total', 0):.0f}, "
+        f"failed {counts.get('rolegate_trace_spans_failed_total', 0):.0f} (so far)"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -234,31 +265,61 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "overhead.txt"
     )
+    parser.add_argument(
+        "--trace", action="store_true", help="the proxy exports spans to an OTLP receiver"
+    )
+    parser.add_argument(
+        "--trace-ratio",
+        type=float,
+        default=1.0,
+        help="with --trace, the share of requests traced (parentbased_traceidratio)",
+    )
     args = parser.parse_args()
 
     sim_port, proxy_port = free_port(), free_port()
     with tempfile.TemporaryDirectory() as tmp:
         scenario, manifests = write_inputs(Path(tmp), sim_port)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env["PYTHONUNBUFFERED"] = "1"
         cli = [sys.executable, "-m", "rolegate_cli.main"]
+        receiver: subprocess.Popen[bytes] | None = None
+        receiver_url = f"http://127.0.0.1:{free_port()}"
+        proxy_env = dict(env)
+        if args.trace:
+            receiver = subprocess.Popen(
+                [sys.executable, str(Path(__file__).parent / "otlp_receiver.py"),
+                 "--port", receiver_url.rsplit(":", 1)[1]], env=env,
+            )  # fmt: skip
+            # The SDK's defaults otherwise (a 2048-span queue, batches of 512, every 5 s).
+            proxy_env["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver_url
+            if args.trace_ratio < 1.0:
+                proxy_env["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
+                proxy_env["OTEL_TRACES_SAMPLER_ARG"] = str(args.trace_ratio)
         sim = subprocess.Popen(
             [*cli, "sim", "--scenario", str(scenario), "--port", str(sim_port)], env=env
         )
         proxy = subprocess.Popen(
-            [*cli, "proxy", "--manifests", str(manifests), "--port", str(proxy_port)], env=env
+            [*cli, "proxy", "--manifests", str(manifests), "--port", str(proxy_port)],
+            env=proxy_env,
         )
         try:
             sim_url, proxy_url = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{proxy_port}"
             asyncio.run(wait_ready(f"{sim_url}/healthz"))
             asyncio.run(wait_ready(f"{proxy_url}/readyz"))
+            if receiver is not None:
+                asyncio.run(wait_ready(f"{receiver_url}/count"))
             rows = asyncio.run(measure(args, sim_url, proxy_url))
             rss = peak_rss_mib(proxy.pid)
+            traced = asyncio.run(trace_counts(proxy_url, receiver_url)) if args.trace else ""
         finally:
-            for process in (proxy, sim):
-                process.terminate()
-                process.wait(timeout=30)
+            for process in (proxy, sim, receiver):
+                if process is not None:
+                    process.terminate()
+                    process.wait(timeout=30)
     rows.append("")
     rows.append(f"proxy peak RSS: {rss:.1f} MiB")
+    if traced:
+        rows.append(traced)
     rows.append(
         f"rounds={args.rounds} requests/round={args.requests} (x4 at concurrency 64); "
         + where_it_ran()

@@ -32,6 +32,7 @@ from rolegate_proxy.edge.server import RunningProxy
 from rolegate_proxy.edge.server import start as start_proxy
 from rolegate_proxy.edge.settings import ProxySettings
 from rolegate_proxy.edge.standalone import load_standalone_config
+from rolegate_proxy.edge.tracing import TraceSettings
 from rolegate_sim.scenario import load_scenario
 from rolegate_sim.server import RunningSim
 from rolegate_sim.server import start as start_sim
@@ -60,18 +61,28 @@ class Result:
     error: str = ""
 
 
-def run_demo(requests: int = 60, out: TextIO = sys.stdout) -> int:
+def run_demo(requests: int = 60, out: TextIO = sys.stdout, trace_file: Path | None = None) -> int:
+    """`trace_file`: every span written there as JSON (the tracing extra), and one
+    request's spans shown at the end."""
     # The demo narrates breaker transitions itself; the proxy's own log lines would repeat them.
     logging.getLogger("rolegate").setLevel(logging.ERROR)
-    return asyncio.run(_demo(requests, out))
+    if trace_file is None:
+        return asyncio.run(_demo(requests, out, None))
+    from rolegate_cli.demo_trace import show_one_request
+    from rolegate_cli.demo_trace import trace_file as tracing_to
+
+    with tracing_to(trace_file) as tracing:
+        code = asyncio.run(_demo(requests, out, tracing))
+    show_one_request(trace_file, out)
+    return code
 
 
-async def _demo(requests: int, out: TextIO) -> int:
+async def _demo(requests: int, out: TextIO, tracing: TraceSettings | None) -> int:
     scenario = load_scenario(EXAMPLES / "scenario.yaml")
     sim = await start_sim(scenario, "127.0.0.1", 0)
     proxy: RunningProxy | None = None
     try:
-        proxy = await _start_proxy(sim, out)
+        proxy = await _start_proxy(sim, out, tracing)
         print(f"simulated provider on {sim.url}, proxy on {proxy.url}\n", file=out)
         results = await _workload(proxy.url, requests, out)
         _summary(results, out)
@@ -87,7 +98,7 @@ async def _demo(requests: int, out: TextIO) -> int:
     return 0 if len(failed) <= len(results) // 4 else 1
 
 
-async def _start_proxy(sim: RunningSim, out: TextIO) -> RunningProxy:
+async def _start_proxy(sim: RunningSim, out: TextIO, tracing: TraceSettings | None) -> RunningProxy:
     with tempfile.TemporaryDirectory() as tmp:
         for path in sorted((EXAMPLES / "manifests").glob("*.yaml")):
             text = path.read_text(encoding="utf-8").replace(PLACEHOLDER_ENDPOINT, f"{sim.url}/v1")
@@ -98,7 +109,9 @@ async def _start_proxy(sim: RunningSim, out: TextIO) -> RunningProxy:
     # The example ProviderPolicy names Secret sim-router/apiKey; outside a cluster the
     # proxy reads it from this variable (docs/proxy.md, "API keys").
     os.environ.setdefault("ROLEGATE_SECRET_SIM_ROUTER_APIKEY", "demo-key-not-secret")
-    settings = ProxySettings(host="127.0.0.1", port=0, admin_token=ADMIN_TOKEN, random_seed=7)
+    settings = ProxySettings(
+        host="127.0.0.1", port=0, admin_token=ADMIN_TOKEN, random_seed=7, tracing=tracing
+    )
     return await start_proxy(settings, config)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import io
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -379,6 +380,13 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="run the simulated provider and the proxy, with traffic"
     )
     demo.add_argument("--requests", type=int, default=60, help="how many requests to send")
+    demo.add_argument(
+        "--trace-file",
+        type=Path,
+        default=None,
+        help="write every span (OpenTelemetry, as JSON lines) to this file and show one "
+        "request's spans; needs the tracing extra",
+    )
     demo.set_defaults(handler=_run_demo)
     return parser
 
@@ -450,7 +458,14 @@ def _run_proxy(args: argparse.Namespace) -> int:
     from rolegate_proxy.edge.server import CannotListen, serve
     from rolegate_proxy.edge.settings import ProxySettings
     from rolegate_proxy.edge.standalone import StandaloneConfigError, load_standalone_config
+    from rolegate_proxy.edge.tracing import TracingUnavailable, from_environment
 
+    try:
+        # OpenTelemetry traces: off unless the standard OTEL_* environment asks for them.
+        tracing = from_environment(os.environ)
+    except TracingUnavailable as error:
+        print(f"rolegate proxy: {error}", file=sys.stderr)
+        return 2
     source: ConfigMapSource | None = None
     if args.configmap is not None:
         namespace, _, name = args.configmap.partition("/")
@@ -511,6 +526,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         state_file=args.state_file,
         state_save_seconds=args.state_save_seconds,
         memory_publish_seconds=args.memory_publish_seconds,
+        tracing=tracing,
     )
     try:
         serve(settings, config, source)
@@ -636,7 +652,16 @@ def _run_demo(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return run_demo(requests=args.requests)
+    if args.trace_file is not None:
+        try:
+            import opentelemetry.sdk.trace  # noqa: F401 (only whether it is there)
+        except ImportError:
+            from rolegate_proxy.edge.tracing import INSTALL_HINT
+
+            print(f"rolegate demo: --trace-file needs the OpenTelemetry SDK; {INSTALL_HINT}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    return run_demo(requests=args.requests, trace_file=args.trace_file)
 
 
 if __name__ == "__main__":

@@ -372,6 +372,7 @@ def _compile_provider(manifest: Manifest, spec: ProviderPolicySpec) -> CompiledP
         breaker=BreakerSpec(**spec.breaker.model_dump()),
         degraded_output=DegradedOutputSpec(**spec.degraded_output.model_dump()),
         timeouts=TimeoutsSpec(**spec.timeouts.model_dump()),
+        propagate_trace_context=spec.propagate_trace_context,
     )
 
 

@@ -60,6 +60,8 @@ class CompiledProvider(Frozen):
     breaker: BreakerSpec = BreakerSpec()
     degraded_output: DegradedOutputSpec = DegradedOutputSpec()
     timeouts: TimeoutsSpec = TimeoutsSpec()
+    # Each attempt carries the W3C trace context upstream (the ProviderPolicy says so).
+    propagate_trace_context: bool = False
 
     def model(self, name: str) -> CompiledModel | None:
         for model in self.models:

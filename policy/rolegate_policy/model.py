@@ -760,6 +760,14 @@ class ProviderPolicySpec(SpecModel):
         default_factory=TimeoutsSpec,
         description="Connection and idle time limits.",
     )
+    propagate_trace_context: bool = Field(
+        default=False,
+        description=(
+            "Send the W3C `traceparent` (and the caller's `tracestate`) of each attempt "
+            "to this provider, so its own traces join rolegate's. Off by default: a trace "
+            "id is information a third-party provider does not need."
+        ),
+    )
 
     @field_validator("endpoint")
     @classmethod

@@ -126,6 +126,7 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     auth = request.headers.get("Authorization", "")
     if auth.startswith("Bearer "):
         record.bearer_sha256 = hashlib.sha256(auth[7:].encode()).hexdigest()[:12]
+    record.traceparent = request.headers.get("traceparent")
     connection = request.transport
     now = time.monotonic()
     if connection is not None and state.closed_for_idleness(connection, now):

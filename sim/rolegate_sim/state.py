@@ -64,6 +64,8 @@ class RequestRecord:
     # A fingerprint of the bearer token the client sent (first 12 hex digits of its
     # SHA-256), so a test can check which key arrived without the key being stored.
     bearer_sha256: str | None = None
+    # The W3C trace context the client sent, if any: a test checks whether it was passed on.
+    traceparent: str | None = None
 
     def finish(self, outcome: Outcome) -> None:
         # The first outcome wins: after a deliberate cut or reset the handler is cancelled
@@ -89,6 +91,7 @@ class RequestRecord:
             "outcome": "in_progress" if self.outcome is None else str(self.outcome),
             "tokens_sent": self.tokens_sent,
             "bearer_sha256": self.bearer_sha256,
+            "traceparent": self.traceparent,
             "started_at": self.started_at,
             "arrived_monotonic": self.arrived_monotonic,
             "ended_at": self.ended_at,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -177,6 +178,22 @@ def test_demo_runs_end_to_end() -> None:
         "breaker tripped: model deepseek/deepseek-v3 at sim-router (EmptyResponses" in result.stdout
     )
     assert "breaker recovered: model deepseek/deepseek-v3" in result.stdout
+
+
+def test_demo_writes_its_spans_and_shows_one_request(tmp_path: Path) -> None:
+    """`--trace-file`: every request's spans as JSON lines (the console exporter), and one
+    request's spans printed as a tree with where to find the rest."""
+    spans = tmp_path / "spans.jsonl"
+    result = run("demo", "--requests", "16", "--trace-file", str(spans), timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    written = [json.loads(line) for line in spans.read_text(encoding="utf-8").splitlines()]
+    roots = [s for s in written if s["kind"] == "SpanKind.SERVER"]
+    assert roots
+    assert {s["attributes"]["gen_ai.operation.name"] for s in written} == {"chat"}
+    assert f"spans of {len(roots)} requests in {spans}" in result.stdout
+    assert "one request's spans (trace 0x" in result.stdout
+    assert re.search(r"\n  chat (agent|reflex|batch) \[SERVER \d+ ms", result.stdout)
+    assert re.search(r"\n    chat \S+ \[CLIENT \d+ ms", result.stdout)
 
 
 def test_proxy_connection_limit_flags_reach_the_server(

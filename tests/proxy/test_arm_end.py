@@ -188,4 +188,5 @@ def test_an_arm_run_ends_with_every_fact_it_saw() -> None:
         "act": ArmAct.RACED,
         "delivered": False,
         "detail": "answered",
+        "span_id": 0,
     }

@@ -1,5 +1,5 @@
 """The canary (SPEC C8, E1): distinctive strings placed in prompts, completions and API keys
-never appear in any explanation, metric, log line or outcome export.
+never appear in any explanation, metric, log line, outcome export or trace span.
 
 Traffic covers the paths that produce routing metadata: a streamed and a plain answer, a
 failure on one machine retried on the other, an empty answer on 200, a mangled answer, a
@@ -28,6 +28,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from rolegate_proxy.edge.tracing import TraceSettings
 
 from ..support import ProxyFactory, SimFactory, outcomes, role, role_table
 
@@ -97,6 +100,14 @@ def _logs(caplog: pytest.LogCaptureFixture) -> str:
     )
 
 
+def _spans(exporter: InMemorySpanExporter, requests: int) -> str:
+    """Every exported span, whole (names, attributes, events, status, resource), once each
+    of `requests` has its request span (the proxy has stopped: its export is flushed)."""
+    spans = exporter.get_finished_spans()
+    assert sum(1 for s in spans if s.parent is None) == requests
+    return "\n".join(span.to_json() for span in spans)
+
+
 def _assert_no_canary(surfaces: dict[str, str]) -> None:
     for surface, text in surfaces.items():
         for canary in CANARIES:
@@ -112,6 +123,7 @@ async def test_no_prompt_completion_or_key_leaks_into_any_surface(
     caplog.set_level(logging.DEBUG)
     secrets = _secrets(tmp_path)
     export = tmp_path / "outcomes.jsonl"
+    spans = InMemorySpanExporter()
     reply = f"Here it is: {COMPLETION_CANARY} — done."
     sim = await sim_server(
         {"seed": 1, "models": [{"name": MODEL, "reply": reply, "machines": [
@@ -122,6 +134,7 @@ async def test_no_prompt_completion_or_key_leaks_into_any_surface(
         secrets_dir=secrets,
         outcome_export=str(export),
         admin_token=TOKEN,
+        tracing=TraceSettings(spans, delay_seconds=0.01),
     )
     sent = 0
     async with openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0) as ai:
@@ -187,6 +200,7 @@ async def test_no_prompt_completion_or_key_leaks_into_any_surface(
     await asyncio.sleep(0)
     surfaces["export"] = export.read_text(encoding="utf-8")
     assert surfaces["export"].count("\n") == sent
+    surfaces["spans"] = _spans(spans, sent)
     surfaces["logs"] = _logs(caplog)
     _assert_no_canary(surfaces)
     assert "agent" in surfaces["decisions"]  # the surfaces were not empty
@@ -299,11 +313,13 @@ async def test_no_upstream_error_text_leaks_into_any_surface(
             {"name": "good", "faults": [fault]}, {"name": "backup", "faults": [fault]}]}]}
     )  # fmt: skip
     export = tmp_path / "outcomes.jsonl"
+    spans = InMemorySpanExporter()
     proxy = await proxy_server(
         [_policy(sim.url), role_table(role("agent", [MODEL], patience=20))],
         secrets_dir=_secrets(tmp_path),
         outcome_export=str(export),
         admin_token=TOKEN,
+        tracing=TraceSettings(spans, delay_seconds=0.01),
     )
     async with httpx.AsyncClient(timeout=10) as client:
         # The simulator does put the canaries in its error (asked directly, with no key).
@@ -325,6 +341,7 @@ async def test_no_upstream_error_text_leaks_into_any_surface(
     await asyncio.sleep(0)
     surfaces["export"] = export.read_text(encoding="utf-8")
     assert surfaces["export"].count("\n") == 1
+    surfaces["spans"] = _spans(spans, 1)
     surfaces["logs"] = _logs(caplog)
     _assert_no_canary({f"client error ({via})": told, **surfaces})
     # The client is told what happened, in our words, with the upstream's status and known

@@ -27,6 +27,7 @@ from rolegate_proxy.core.outcomes import (
     OutcomeKind,
     Skip,
 )
+from rolegate_proxy.core.trace_ids import TraceIds
 from rolegate_proxy.edge.outcome_export import OutcomeExporter
 
 from ..waiting import eventually
@@ -77,6 +78,9 @@ def _full_outcome() -> Outcome:
                 ttft_seconds=0.3,
                 act=ArmAct.CONTINUED,
                 detail="moved after 5 tokens",
+                cause="moved",
+                started_after=0.05,
+                span_id=0x00F067AA0BA902B7,
             ),
             Arm("agg", "vendor/model-a", "fastco", ArmResult.OK, 200, 0.8, 0.1, ArmAct.KEPT),
             Arm("agg", "vendor/model-a", "lateco", ArmResult.CANCELLED, None, 0.2),
@@ -87,6 +91,7 @@ def _full_outcome() -> Outcome:
         ),
         config_hash="abc123",
         error_code=None,
+        trace=TraceIds(0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x53995C3F42CD8AD8, sampled=True),
     )
 
 
@@ -203,6 +208,9 @@ def test_as_json_carries_every_field_spec_c7_names() -> None:
         "ttft_seconds": 0.3,
         "act": "continued",
         "detail": "moved after 5 tokens",
+        "cause": "moved",
+        "started_after": 0.05,
+        "span_id": "00f067aa0ba902b7",
     }
     assert data["latency_seconds"] == 1.75
     assert data["ttft_seconds"] == 0.4
@@ -225,6 +233,12 @@ def test_as_json_carries_every_field_spec_c7_names() -> None:
             "reason": "the role's patience ran out",
         },
     ]
+    # The request's span, to find its trace by: ids only (the caller's tracestate stays out).
+    assert data["trace"] == {
+        "trace_id": "4bf92f3577b34da6a3ce929d0e0e4736",
+        "span_id": "53995c3f42cd8ad8",
+        "sampled": True,
+    }
 
 
 def test_as_json_leaves_no_field_out() -> None:
@@ -416,6 +430,7 @@ def test_a_finished_decision_carries_every_field_into_its_outcome() -> None:
         "skipped": (dataclasses.asdict(decision.skips[0]),),
         "config_hash": "abc",
         "error_code": "late",
+        "trace": None,
     }
     # The dispatcher's own word wins over "answered"; the caller's error code over its own.
     decision.outcome = OutcomeKind.INCOMPLETE

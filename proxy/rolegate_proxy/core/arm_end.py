@@ -149,6 +149,8 @@ class ArmEnd:
     delivered: bool = False
     # For people, in our own words.
     detail: str = ""
+    # Its span's id, drawn when it was sent in a traced request (0: none).
+    span_id: int = 0
 
     @property
     def seconds(self) -> float:
@@ -230,8 +232,9 @@ def _completion_sighting(
     )
 
 
-def arm_row(end: ArmEnd, patience: float) -> Arm:
-    """The arm's row on the request's outcome record."""
+def arm_row(end: ArmEnd, patience: float, request_started: float | None = None) -> Arm:
+    """The arm's row on the request's outcome record (`request_started`: the request's
+    start on the same clock, for when the arm was sent)."""
     return Arm(
         end.provider,
         end.model,
@@ -242,6 +245,9 @@ def arm_row(end: ArmEnd, patience: float) -> Arm:
         end.ttft,
         end.act,
         end.detail,
+        end.cause.value,
+        None if request_started is None else max(end.started_at - request_started, 0.0),
+        end.span_id,
     )
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from .outcomes import Arm, Outcome, OutcomeKind, Skip
+from .trace_ids import TraceIds
 
 
 @dataclass(slots=True)
@@ -47,6 +48,8 @@ class Decision:
     # rolegate's error code when the error went out as an event (a buffered stream the
     # keep-alives had committed), not as the response's status.
     error_code: str | None = None
+    # Where the request's span belongs in its trace, when tracing is on.
+    trace: TraceIds | None = None
 
     @property
     def attempts(self) -> int:
@@ -110,6 +113,7 @@ class Decision:
             tuple(self.skips),  # skipped
             config_hash,  # config_hash
             error_code or self.error_code,  # error_code
+            self.trace,  # trace
         )
 
 

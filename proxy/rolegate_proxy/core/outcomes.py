@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
+from .trace_ids import TraceIds
+
 DEFAULT_CAPACITY: Final = 10_000
 
 
@@ -100,6 +102,12 @@ class Arm:
     act: ArmAct | None = None
     # A short reason for people (never content).
     detail: str = ""
+    # How it ended (`core.arm_end.Cause`'s value): what the result is derived from.
+    cause: str = ""
+    # Seconds from the request's start to the arm's sending (its span's start).
+    started_after: float | None = None
+    # The arm's span id when the request is traced (0: not traced, or drawn at export).
+    span_id: int = 0
 
 
 @dataclass(slots=True)
@@ -148,6 +156,8 @@ class Outcome:
     skipped: tuple[Skip, ...] = ()
     config_hash: str = ""
     error_code: str | None = None
+    # Where the request's span belongs in its trace, when tracing is on.
+    trace: TraceIds | None = None
 
     @property
     def tokens(self) -> int:
@@ -188,6 +198,9 @@ class Outcome:
                     "ttft_seconds": arm.ttft_seconds,
                     "act": arm.act.value if arm.act else None,
                     "detail": arm.detail,
+                    "cause": arm.cause,
+                    "started_after": arm.started_after,
+                    "span_id": f"{arm.span_id:016x}" if arm.span_id else None,
                 }
                 for arm in self.arms
             ],
@@ -202,6 +215,14 @@ class Outcome:
             ],
             "config_hash": self.config_hash,
             "error_code": self.error_code,
+            # The request's span, to find its trace by (the tracestate stays out).
+            "trace": None
+            if self.trace is None
+            else {
+                "trace_id": f"{self.trace.trace_id:032x}",
+                "span_id": f"{self.trace.span_id:016x}",
+                "sampled": self.trace.sampled,
+            },
         }
 
 

@@ -56,6 +56,10 @@ def create_app(
         # the last outcomes were handed over.
         app.cleanup_ctx.append(_state_file)
     app.cleanup_ctx.append(_outcome_drain)
+    if state.spans is not None:
+        # After the outcome drain: cleanups run in reverse, so the spans of the last
+        # outcomes are queued before the export thread's last batch.
+        app.cleanup_ctx.append(_span_export)
     app.on_shutdown.append(_shutting_down)
     if source is not None:
         app.cleanup_ctx.append(_config_watch)
@@ -188,6 +192,16 @@ async def _outcome_drain(app: web.Application) -> AsyncIterator[None]:
         export.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await export
+
+
+async def _span_export(app: web.Application) -> AsyncIterator[None]:
+    """The span export thread (edge/span_export.py): started with the app; at shutdown it
+    exports what is queued (within the export timeout) and shuts the exporter down."""
+    spans = app[STATE].spans
+    assert spans is not None
+    spans.start()
+    yield
+    await asyncio.to_thread(spans.stop, spans.settings.export_timeout_seconds)
 
 
 async def _breaker_clock(app: web.Application) -> AsyncIterator[None]:

@@ -18,6 +18,7 @@ from aiohttp import hdrs, http_exceptions, web
 
 from ..core.decisions import Decision
 from ..core.outcomes import Outcome, OutcomeKind
+from ..flow import tracing
 from ..wire.caller_provider import refuse_unreachable, role_machines
 from ..wire.chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
 from ..wire.errors import ProxyError
@@ -41,8 +42,22 @@ class Call:
         self.status = 500
         self.kind = OutcomeKind.FAILED
         self.error_code: str | None = None
+        # The request's trace ids, when tracing is on: its arms' spans are drawn under
+        # them, and an upstream that takes the trace context is told of them.
+        spans = state.spans
+        self.trace = (
+            None
+            if spans is None
+            else tracing.request_ids(
+                request.headers.get("traceparent"),
+                request.headers.get("tracestate"),
+                spans.settings.ratio,
+                spans.settings.parent_based,
+            )
+        )
 
     async def serve(self) -> web.StreamResponse:
+        traced = None if self.trace is None else tracing.begin(self.trace)
         try:
             return await self._serve()
         except ProxyError as error:
@@ -62,6 +77,8 @@ class Call:
             self.status, self.kind = CLIENT_GONE, OutcomeKind.CANCELLED
             raise
         finally:
+            if traced is not None:
+                tracing.end(traced)
             self.emit()
 
     async def _serve(self) -> web.StreamResponse:
@@ -89,6 +106,7 @@ class Call:
             role.patience_seconds,  # patience_seconds
             admission.grant.name,  # grant (positional: matching keywords costs more)
         )
+        self.decision.trace = self.trace
         if admission.limited is not None:
             raise rate_limited(admission.limited)
         chat = validate_chat_request(body, role)
@@ -123,6 +141,7 @@ class Call:
                 latency_seconds=now - self.started,
                 config_hash=self.config.hash,
                 error_code=self.error_code,
+                trace=self.trace,
             )
         self.state.access.charge(outcome)
         # The access line is written from this record too (access_log.py), off this path.

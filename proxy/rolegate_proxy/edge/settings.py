@@ -9,6 +9,7 @@ from ..core.outcomes import DEFAULT_CAPACITY
 from ..flow.client_stream import KEEPALIVE_SECONDS
 from ..flow.metrics import MAX_MACHINE_LABELS
 from .credentials import DEFAULT_SECRETS_DIR
+from .tracing import TraceSettings
 
 
 @dataclass(frozen=True)
@@ -73,3 +74,5 @@ class ProxySettings:
     # A buffered stream (a role nobody watches) sends its caller an SSE comment this often
     # while the answer is held, so the caller's idle timers never fire.
     keepalive_seconds: float = KEEPALIVE_SECONDS
+    # OpenTelemetry traces (edge/tracing.py: from the OTEL_* environment); None: off.
+    tracing: TraceSettings | None = None

@@ -11,6 +11,7 @@ import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -39,6 +40,9 @@ from .feedback import ServedIndex
 from .outcome_export import OutcomeExporter
 from .settings import ProxySettings
 
+if TYPE_CHECKING:
+    from .span_export import SpanExport
+
 log = logging.getLogger("rolegate.proxy")
 
 
@@ -56,6 +60,8 @@ class ProxyState:
     dispatcher: Dispatcher = field(init=False)
     outcomes: OutcomeChannel = field(init=False)
     exporter: OutcomeExporter | None = field(init=False, default=None)
+    # The span consumer, when tracing is on (its module imports the OpenTelemetry SDK).
+    spans: SpanExport | None = field(init=False, default=None)
     # The outcome channel's consumers, in order: the score first (the closed loop).
     consumers: list[Consumer] = field(init=False)
     # Told (on the loop, no I/O) when what the pod reports on the ProviderPolicies changes
@@ -102,6 +108,12 @@ class ProxyState:
             self.exporter = OutcomeExporter(settings.outcome_export)
             self.consumers.append(self.exporter)
         exporter = self.exporter
+        if settings.tracing is not None:
+            from .span_export import SpanExport
+
+            self.spans = SpanExport(settings.tracing, lambda: self.config)
+            self.consumers.append(self.spans)
+        spans = self.spans
         self.metrics.watch_scores(self.dispatcher.scores.views)
         self.metrics.watch_allowances(self._allowances_left)
         self.metrics.watch_counters(
@@ -119,6 +131,20 @@ class ProxyState:
                     "Outcome records the JSON-lines exporter dropped because its writer fell "
                     "behind (0 when the export is off).",
                     lambda: exporter.dropped if exporter is not None else 0,
+                ),
+                "rolegate_trace_spans_dropped": (
+                    "Spans dropped because the span export queue was full (the exporter fell "
+                    "behind; a request never waits for it). 0 when tracing is off.",
+                    lambda: spans.dropped if spans is not None else 0,
+                ),
+                "rolegate_trace_spans_exported": (
+                    "Spans the exporter accepted. 0 when tracing is off.",
+                    lambda: spans.exported if spans is not None else 0,
+                ),
+                "rolegate_trace_spans_failed": (
+                    "Spans whose export failed (the collector refused them or could not be "
+                    "reached). 0 when tracing is off.",
+                    lambda: spans.failed if spans is not None else 0,
                 ),
             }
         )

@@ -26,6 +26,7 @@ from ..core.watch import Watch
 from ..wire.answers import Completion, NotTheProtocol, UpstreamError
 from ..wire.chat_request import ChatRequest
 from ..wire.dialects import WIRE, WireProtocol
+from . import tracing
 from .stream import OpenedStream, Reads, hold_until_content
 from .upstream import (
     TRANSPORT_ERRORS,
@@ -54,6 +55,8 @@ class ArmRun:
     named: str | None = None
     # A streamed arm's watch: its first token, its gaps, its rate test.
     watch: Watch | None = None
+    # Its span's id in a traced request, drawn at each sending (0: not traced).
+    span_id: int = 0
 
     @property
     def machine(self) -> str | None:
@@ -98,6 +101,7 @@ class ArmRun:
             self.act,  # act
             False,  # delivered
             detail,  # detail
+            self.span_id,  # span_id
         )
 
     def failed(self, failure: ArmFailed, at: float) -> ArmEnd:
@@ -117,7 +121,16 @@ async def post(
     upstreams: Upstreams, run: ArmRun, chat: ChatRequest, *, fresh: bool
 ) -> aiohttp.ClientResponse:
     """Send the arm; an error status is read, classified and raised as ArmFailed."""
-    response = await send(upstreams, run.attempt, chat, run.silence, fresh=fresh)
+    trace_headers = None
+    ids = tracing.current()
+    if ids is not None:
+        # Each sending is a span of its own (a stale connection's retry is another arm).
+        run.span_id = tracing.span_id()
+        if run.attempt.provider.propagate_trace_context:
+            trace_headers = tracing.upstream_headers(ids, run.span_id)
+    response = await send(
+        upstreams, run.attempt, chat, run.silence, fresh=fresh, extra_headers=trace_headers
+    )
     if response.status != 200:
         try:
             raise await failed_with_status(response, run.wire, named=run.attempt.is_aggregator)

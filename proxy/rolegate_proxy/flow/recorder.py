@@ -78,7 +78,7 @@ class Recorder:
         self._verdict(end)
         if end.cause is not Cause.ANSWERED:
             self.metrics.attempt_failures.labels(end.provider, end.cause.value).inc()
-        decision.arm(arm_row(end, patience))
+        decision.arm(arm_row(end, patience, decision.started_at))
         if end.cause is Cause.ANSWERED and key is not None:
             # Affinity (SPEC B3): the machine that answered leads the role's next order.
             self.chooser.answered(decision.role, key)

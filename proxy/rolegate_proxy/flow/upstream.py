@@ -192,10 +192,17 @@ class Silence(NamedTuple):
 
 
 async def send(
-    upstreams: Upstreams, attempt: Attempt, chat: ChatRequest, silence: Silence, *, fresh: bool
+    upstreams: Upstreams,
+    attempt: Attempt,
+    chat: ChatRequest,
+    silence: Silence,
+    *,
+    fresh: bool,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> aiohttp.ClientResponse:
     """POST the attempt; the response once its headers are in (the caller reads the body).
-    Raises ArmFailed (StaleConnection for a dead pooled connection)."""
+    `extra_headers`: this arm's own (its trace context). Raises ArmFailed (StaleConnection
+    for a dead pooled connection)."""
     ref = attempt.provider.api_key_secret_ref
     key = None if ref is None else upstreams.keys.key_for(ref)
     if ref is not None and key is None:
@@ -214,11 +221,14 @@ async def send(
     reuse = _Reuse()
     sending = _SENDING.set(reuse)
     wire = WIRE[attempt.provider.dialect]
+    headers = upstreams.headers(wire, attempt, key, stream=chat.stream)
+    if extra_headers:
+        headers = {**headers, **extra_headers}
     try:
         return await session.post(
             wire.chat_url(attempt.provider.endpoint),
             data=wire.request_body(chat.encoded, attempt.model.name, attempt.routing, chat.caller),
-            headers=upstreams.headers(wire, attempt, key, stream=chat.stream),
+            headers=headers,
             timeout=timeout,
             allow_redirects=False,
         )
