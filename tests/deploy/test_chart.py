@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from rolegate_cli.controlplane import REPO_ROOT, ControlPlane, installed_binaries, scratch_dir
+from rolegate_proxy.edge.tracing import from_environment
 
 from .conftest import (
     CHART,
@@ -439,12 +440,16 @@ def test_no_secret_reaches_an_environment_variable(renders: dict[str, Docs], cas
             assert "secretKeyRef" not in entry.get("valueFrom", {}), (component, entry)
         for entry in each.get("envFrom", []):
             assert "secretRef" not in entry, (component, entry)
-    # The one variable each pod gets: its own name, from the downward API (the proxy's
-    # report key, the operator's Lease identity).
+    # The one variable each pod gets from elsewhere: its own name, from the downward API
+    # (the proxy's report key, the operator's Lease identity). The rest are the chart's
+    # own values (the tracing settings).
     for component in ("operator", "proxy"):
-        assert container(renders[case], component)["env"] == [
-            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}
-        ], component
+        env = container(renders[case], component)["env"]
+        assert env[0] == {
+            "name": "POD_NAME",
+            "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}},
+        }, component
+        assert all(set(entry) == {"name", "value"} for entry in env[1:]), (component, env)
 
 
 def test_api_key_secrets_are_read_only_file_mounts(renders: dict[str, Docs]) -> None:
@@ -489,7 +494,7 @@ def test_operator_deployment(renders: dict[str, Docs]) -> None:
         assert each["command"] == ["rolegate"]
         namespaces = [arg for ns in watched for arg in ("--namespace", ns)]
         assert each["args"] == [
-            "--log-level", "info", "operator", *namespaces,
+            "--log-level", "info", "--log-format", "text", "operator", *namespaces,
             "--configmap", f"{name}-config", "--configmap-namespace", NS,
             "--liveness-port", "8081", "--report-ttl-seconds", "90",
             "--leader-election", "--lease-name", f"{name}-operator",
@@ -647,6 +652,37 @@ def test_proxy_connection_limits_render_as_flags() -> None:
     ]  # fmt: skip
 
 
+def test_json_logs_and_tracing_render_as_the_proxy_reads_them() -> None:
+    """`logFormat` reaches both pods' flags, and `proxy.tracing` renders the OTEL_* variables
+    that the proxy's own reader (edge/tracing.py) turns into an OTLP export with the ratio
+    asked for; with no endpoint, that reader finds tracing off."""
+    docs = render(
+        RELEASE, NS,
+        sets=[
+            "proxy.logFormat=json",
+            "operator.logFormat=json",
+            "proxy.tracing.endpoint=http://collector.observability:4318",
+            "proxy.tracing.sampleRatio=0.25",
+        ],
+    )  # fmt: skip
+    for component in ("proxy", "operator"):
+        args = container(docs, component)["args"]
+        assert args[args.index("--log-format") + 1] == "json", component
+    env = {e["name"]: e["value"] for e in container(docs, "proxy")["env"] if "value" in e}
+    assert env == {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector.observability:4318",
+        "OTEL_SERVICE_NAME": f"{fullname(RELEASE)}-proxy",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.25",
+    }
+    settings = from_environment(env)
+    assert settings is not None
+    assert (settings.ratio, settings.parent_based) == (0.25, True)
+    assert type(settings.exporter).__name__ == "OTLPSpanExporter"
+    quiet = container(render(RELEASE, NS), "proxy")["env"]
+    assert from_environment({e["name"]: e.get("value", "") for e in quiet}) is None
+
+
 def test_proxy_deployment(renders: dict[str, Docs]) -> None:
     name = fullname(RELEASE)
     proxy = deployment(renders["default"], "proxy")
@@ -654,7 +690,8 @@ def test_proxy_deployment(renders: dict[str, Docs]) -> None:
     each = container(renders["default"], "proxy")
     assert each["command"] == ["rolegate"]
     assert each["args"] == [
-        "--log-level", "warning", "proxy", "--configmap", f"{NS}/{name}-config",
+        "--log-level", "warning", "--log-format", "text", "proxy",
+        "--configmap", f"{NS}/{name}-config",
         "--host", "0.0.0.0", "--port", "8080", "--metrics-port", "9090",
         "--secrets-dir", SECRETS_DIR,
         "--shutdown-grace-seconds", "30", "--max-body-bytes", "4194304",

@@ -133,7 +133,8 @@ def test_every_kind_of_value() -> None:
         },
         {"from": [observability, prometheus], "ports": tcp(9090)},
     ]
-    assert policy(docs, "proxy")["egress"] == [*egress, {"ports": tcp(443)}, vllm]
+    collector = {"to": [observability], "ports": tcp(4318)}
+    assert policy(docs, "proxy")["egress"] == [*egress, {"ports": tcp(443)}, vllm, collector]
     assert policy(docs, "operator")["ingress"] == [
         {"from": [observability, prometheus], "ports": tcp(8081, 8082)}
     ]
