@@ -25,6 +25,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from rolegate_proxy.edge.server import RunningProxy
 from rolegate_proxy.edge.tracing import TraceSettings
+from rolegate_sim.server import RunningSim
 
 from ..support import ProxyFactory, SimFactory, machine_policy, provider_policy, role, role_table
 from ..waiting import eventually
@@ -62,6 +63,25 @@ def _arm_spans(spans: Sequence[ReadableSpan]) -> list[ReadableSpan]:
 
 def _attrs(span: ReadableSpan) -> dict[str, Any]:
     return dict(span.attributes or {})
+
+
+async def _one_machine(
+    sim_server: SimFactory,
+    proxy_server: ProxyFactory,
+    tracing: TraceSettings | None,
+    *,
+    propagate: bool = False,
+) -> tuple[RunningSim, RunningProxy]:
+    """A simulator with one instant machine, `m` of MODEL, and a proxy serving role
+    `agent` from it, traced by `tracing` (None: tracing off)."""
+    sim = await sim_server(
+        {"seed": 1, "models": [{"name": MODEL, "reply": "ok", "machines": [{"name": "m"}]}]}
+    )
+    policy = provider_policy("p", f"{sim.url}/v1", {MODEL: ["m"]}, dialect="OpenAI")
+    if propagate:
+        policy["spec"]["propagateTraceContext"] = True
+    proxy = await proxy_server([policy, role_table(role("agent", [MODEL]))], tracing=tracing)
+    return sim, proxy
 
 
 async def _stream(url: str, headers: dict[str, str] | None = None) -> str:
@@ -307,17 +327,7 @@ async def test_the_trace_context_goes_upstream_only_where_the_provider_policy_al
 async def test_with_tracing_off_nothing_is_traced_or_sent_upstream(
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
-    sim = await sim_server(
-        {"seed": 1, "models": [{"name": MODEL, "reply": "ok", "machines": [{"name": "m"}]}]}
-    )
-    proxy = await proxy_server(
-        [
-            provider_policy(
-                "p", f"{sim.url}/v1", {MODEL: ["m"]}, dialect="OpenAI", propagateTraceContext=True
-            ),
-            role_table(role("agent", [MODEL])),
-        ]
-    )
+    sim, proxy = await _one_machine(sim_server, proxy_server, None, propagate=True)
     assert proxy.state.spans is None
     await _one_traced_request(proxy)
     async with httpx.AsyncClient() as client:
@@ -332,18 +342,7 @@ async def test_an_unsampled_caller_is_not_exported_but_its_flag_goes_upstream(
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
     exporter = InMemorySpanExporter()
-    sim = await sim_server(
-        {"seed": 1, "models": [{"name": MODEL, "reply": "ok", "machines": [{"name": "m"}]}]}
-    )
-    proxy = await proxy_server(
-        [
-            provider_policy(
-                "p", f"{sim.url}/v1", {MODEL: ["m"]}, dialect="OpenAI", propagateTraceContext=True
-            ),
-            role_table(role("agent", [MODEL])),
-        ],
-        tracing=_tracing(exporter),
-    )
+    sim, proxy = await _one_machine(sim_server, proxy_server, _tracing(exporter), propagate=True)
     async with openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0) as ai:
         await ai.chat.completions.create(
             model="agent",
@@ -365,17 +364,8 @@ async def test_a_sampling_ratio_of_zero_exports_only_what_a_sampled_caller_asks_
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
     exporter = InMemorySpanExporter()
-    sim = await sim_server(
-        {"seed": 1, "models": [{"name": MODEL, "reply": "ok", "machines": [{"name": "m"}]}]}
-    )
-    proxy = await proxy_server(
-        [
-            provider_policy("p", f"{sim.url}/v1", {MODEL: ["m"]}, dialect="OpenAI"),
-            role_table(role("agent", [MODEL])),
-        ],
-        # OTEL_TRACES_SAMPLER=parentbased_traceidratio, OTEL_TRACES_SAMPLER_ARG=0
-        tracing=_tracing(exporter, ratio=0.0),
-    )
+    # OTEL_TRACES_SAMPLER=parentbased_traceidratio, OTEL_TRACES_SAMPLER_ARG=0
+    _sim, proxy = await _one_machine(sim_server, proxy_server, _tracing(exporter, ratio=0.0))
     async with openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0) as ai:
         await ai.chat.completions.create(model="agent", messages=PROMPT)
     await _one_traced_request(proxy)
@@ -416,16 +406,9 @@ async def test_a_stuck_exporter_drops_and_counts_spans_and_never_slows_a_request
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
     exporter = _Blocked()
-    sim = await sim_server(
-        {"seed": 1, "models": [{"name": MODEL, "reply": "ok", "machines": [{"name": "m"}]}]}
-    )
-    proxy = await proxy_server(
-        [
-            provider_policy("p", f"{sim.url}/v1", {MODEL: ["m"]}, dialect="OpenAI"),
-            role_table(role("agent", [MODEL])),
-        ],
-        # Room for four requests' spans (two each) while the exporter hangs on its batch.
-        tracing=_tracing(exporter, max_queue=8, max_batch=2),
+    # Room for four requests' spans (two each) while the exporter hangs on its batch.
+    _sim, proxy = await _one_machine(
+        sim_server, proxy_server, _tracing(exporter, max_queue=8, max_batch=2)
     )
     async with openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0) as ai:
         await ai.chat.completions.create(model="agent", messages=PROMPT)
@@ -481,16 +464,7 @@ async def test_a_refused_or_failing_export_is_counted_and_the_export_goes_on(
     sim_server: SimFactory, proxy_server: ProxyFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     exporter = _Refusing()
-    sim = await sim_server(
-        {"seed": 1, "models": [{"name": MODEL, "reply": "ok", "machines": [{"name": "m"}]}]}
-    )
-    proxy = await proxy_server(
-        [
-            provider_policy("p", f"{sim.url}/v1", {MODEL: ["m"]}, dialect="OpenAI"),
-            role_table(role("agent", [MODEL])),
-        ],
-        tracing=_tracing(exporter),
-    )
+    _sim, proxy = await _one_machine(sim_server, proxy_server, _tracing(exporter))
     async with openai.AsyncOpenAI(base_url=f"{proxy.url}/v1", api_key="x", max_retries=0) as ai:
         for expected in (2, 4):  # each request's two spans
             await ai.chat.completions.create(model="agent", messages=PROMPT)
