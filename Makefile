@@ -26,8 +26,9 @@ lock:
 
 venv: $(STAMP)
 
+# The demo also writes every span it traced to demo-trace.jsonl and shows one request's.
 demo: $(STAMP)
-	$(BIN)/rolegate demo
+	$(BIN)/rolegate demo --trace-file demo-trace.jsonl
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -67,7 +67,9 @@ def run_demo(requests: int = 60, out: TextIO = sys.stdout, trace_file: Path | No
     # The demo narrates breaker transitions itself; the proxy's own log lines would repeat them.
     logging.getLogger("rolegate").setLevel(logging.ERROR)
     if trace_file is None:
-        return asyncio.run(_demo(requests, out, None))
+        code = asyncio.run(_demo(requests, out, None))
+        print("\nto see one request's spans: rolegate demo --trace-file trace.jsonl", file=out)
+        return code
     from rolegate_cli.demo_trace import show_one_request
     from rolegate_cli.demo_trace import trace_file as tracing_to
 

@@ -178,6 +178,8 @@ def test_demo_runs_end_to_end() -> None:
         "breaker tripped: model deepseek/deepseek-v3 at sim-router (EmptyResponses" in result.stdout
     )
     assert "breaker recovered: model deepseek/deepseek-v3" in result.stdout
+    # A newcomer is told where the request's spans are.
+    assert "rolegate demo --trace-file" in result.stdout
 
 
 def test_demo_writes_its_spans_and_shows_one_request(tmp_path: Path) -> None:
