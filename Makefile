@@ -74,9 +74,10 @@ bench-machines: $(STAMP)
 clean:
 	rm -rf $(VENV)
 
-# The real Kubernetes control plane the tests use (kube-apiserver, kubectl, etcd, helm), built
-# from Go modules once per machine and cached under ~/.cache/rolegate ($ROLEGATE_CACHE):
-# about 6 minutes the first time, printing what it is doing; instant afterwards.
+# The real Kubernetes control plane the tests use (kube-apiserver, kubectl, etcd, helm) and
+# promtool, built from Go modules once per machine and cached under ~/.cache/rolegate
+# ($ROLEGATE_CACHE): about 10 minutes the first time, printing what it is doing; instant
+# afterwards.
 control-plane:
 	@bash hack/build-control-plane.sh >/dev/null
 

@@ -59,7 +59,7 @@ def installed_binaries() -> Path:
     if missing:
         raise ControlPlaneError(
             f"the Kubernetes control plane is not built ({', '.join(missing)} missing from "
-            f"{bin_dir}); build it once for this machine (about 6 minutes): {BUILD_COMMAND}"
+            f"{bin_dir}); build it once for this machine (about 10 minutes): {BUILD_COMMAND}"
         )
     return bin_dir
 
