@@ -18,11 +18,25 @@ import httpx
 import openai
 import pytest
 
+from rolegate_cli.demo import PLACEHOLDER_ENDPOINT
+
 from ..waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 CLI = [sys.executable, "-m", "rolegate_cli.main"]
+
+
+def example_manifests(tmp_path: Path, sim_port: int) -> Path:
+    """The example manifests in a folder of their own, pointed at a simulator on `sim_port`."""
+    manifests = tmp_path / "manifests"
+    manifests.mkdir()
+    for path in (EXAMPLES / "manifests").glob("*.yaml"):
+        text = path.read_text(encoding="utf-8").replace(
+            PLACEHOLDER_ENDPOINT, f"http://127.0.0.1:{sim_port}/v1"
+        )
+        (manifests / path.name).write_text(text, encoding="utf-8")
+    return manifests
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -126,13 +140,7 @@ def test_sim_and_proxy_processes_serve_the_openai_client_and_stop_on_sigterm(
     tmp_path: Path, processes: list[subprocess.Popen[str]]
 ) -> None:
     sim_port, proxy_port = free_port(), free_port()
-    manifests = tmp_path / "manifests"
-    manifests.mkdir()
-    for path in (EXAMPLES / "manifests").glob("*.yaml"):
-        text = path.read_text(encoding="utf-8").replace(
-            "http://127.0.0.1:8089/v1", f"http://127.0.0.1:{sim_port}/v1"
-        )
-        (manifests / path.name).write_text(text, encoding="utf-8")
+    manifests = example_manifests(tmp_path, sim_port)
     env = {**os.environ, "ROLEGATE_SECRET_SIM_ROUTER_APIKEY": "test-key"}
     sim = subprocess.Popen(
         [*CLI, "sim", "--scenario", str(EXAMPLES / "scenario.yaml"), "--port", str(sim_port)],

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from .test_commands import CLI, EXAMPLES, free_port, wait_until_up
+from .test_commands import CLI, EXAMPLES, example_manifests, free_port, wait_until_up
 
 PROMPT_CANARY = "canary-prompt-cli-4d17"
 KEY_CANARY = "sk-canary-cli-8e03"
@@ -33,13 +33,7 @@ def test_json_log_format_makes_every_stderr_line_a_json_object(
     tmp_path: Path, started: list[subprocess.Popen[str]]
 ) -> None:
     sim_port, proxy_port = free_port(), free_port()
-    manifests = tmp_path / "manifests"
-    manifests.mkdir()
-    for path in (EXAMPLES / "manifests").glob("*.yaml"):
-        text = path.read_text(encoding="utf-8").replace(
-            "http://127.0.0.1:8089/v1", f"http://127.0.0.1:{sim_port}/v1"
-        )
-        (manifests / path.name).write_text(text, encoding="utf-8")
+    manifests = example_manifests(tmp_path, sim_port)
     env = {**os.environ, "ROLEGATE_SECRET_SIM_ROUTER_APIKEY": KEY_CANARY}
     sim = subprocess.Popen(
         [*CLI, "sim", "--scenario", str(EXAMPLES / "scenario.yaml"), "--port", str(sim_port)],
