@@ -43,18 +43,19 @@ PROMTOOL = "promtool"
 BUILD_COMMAND = "make control-plane"
 
 
+def _build_dir(flag: str) -> Path:
+    """Where the build script puts (or put) its output, as `flag` asks; builds nothing."""
+    result = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), flag], capture_output=True, text=True, timeout=30, check=True
+    )
+    return Path(result.stdout.strip())
+
+
 def installed_binaries() -> Path:
     """The directory holding kube-apiserver, kubectl, etcd and helm. Never builds them: a
     cold build takes minutes and is a step of its own (`make control-plane`, which
     `make test` runs before pytest), never work inside a test under its timeout."""
-    result = subprocess.run(
-        ["bash", str(BUILD_SCRIPT), "--bin-dir"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
-    bin_dir = Path(result.stdout.strip())
+    bin_dir = _build_dir("--bin-dir")
     missing = [tool for tool in TOOLS if not os.access(bin_dir / tool, os.X_OK)]
     if missing:
         raise ControlPlaneError(
@@ -66,14 +67,7 @@ def installed_binaries() -> Path:
 
 def installed_promtool() -> Path:
     """The promtool built with the control plane. Never builds it (`installed_binaries`)."""
-    result = subprocess.run(
-        ["bash", str(BUILD_SCRIPT), "--promtool-dir"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    )
-    path = Path(result.stdout.strip()) / PROMTOOL
+    path = _build_dir("--promtool-dir") / PROMTOOL
     if not os.access(path, os.X_OK):
         raise ControlPlaneError(
             f"promtool is not built ({path} missing); build it once for this machine with "
