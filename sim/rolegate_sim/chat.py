@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from rolegate_sim.answer import RichAnswer, compose
 from rolegate_sim.completion import Plan, send_completion, send_stream
 from rolegate_sim.faults import FaultDecision, decide, request_rng
 from rolegate_sim.pacing import Pacer
@@ -265,6 +266,7 @@ def _plan(
     spec = machine.spec
     tokens: tuple[str, ...] = model.tokens
     token_json: tuple[bytes, ...] | None = model.token_json
+    reasoning: tuple[str, ...] = model.reasoning_tokens
 
     last = chat.messages[-1]
     if spec.continues_partial_message and last.get("role") == "assistant":
@@ -274,19 +276,32 @@ def _plan(
         # reply is sent, as a model that cannot continue would.
         if prefill and reply.startswith(prefill):
             tokens, token_json = tokenize(reply[len(prefill) :]), None
+            # Mid-answer, the thinking is over.
+            reasoning = ()
             record.continued_partial = True
 
     if isinstance(fault, EmptyFault):
-        tokens, token_json = (), ()
+        tokens, token_json, reasoning = (), (), ()
     elif isinstance(fault, MojibakeFault):
-        tokens, token_json = mojibake(tokens), None
+        tokens, token_json, reasoning = mojibake(tokens), None, mojibake(reasoning)
     elif isinstance(fault, ReplacementCharFault):
         tokens, token_json = with_replacement_characters(tokens), None
+        reasoning = with_replacement_characters(reasoning)
+
+    # Plain text keeps its precomputed tokens; anything more is composed into pieces.
+    rich: RichAnswer | None = None
+    if reasoning:
+        rich = compose(reasoning, tokens, reasoning_field=model.spec.reasoning_field)
+        tokens, token_json = (), ()
 
     finish_reason = "stop"
-    if chat.max_tokens is not None and len(tokens) > chat.max_tokens:
-        tokens = tokens[: chat.max_tokens]
-        token_json = None if token_json is None else token_json[: chat.max_tokens]
+    limit = chat.max_tokens
+    if rich is None and limit is not None and len(tokens) > limit:
+        tokens = tokens[:limit]
+        token_json = None if token_json is None else token_json[:limit]
+        finish_reason = "length"
+    elif rich is not None and limit is not None and len(rich.pieces) > limit:
+        rich = rich.truncated(limit)
         finish_reason = "length"
 
     ttft = spec.ttft_seconds or 0.0
@@ -307,6 +322,7 @@ def _plan(
         provider=(machine.name, machine.name_json),
         tokens=tokens,
         token_json=token_json,
+        rich=rich,
         finish_reason=finish_reason,
         prompt_tokens=estimate_prompt_tokens(chat.messages),
         include_usage=chat.include_usage and not isinstance(fault, NoUsageFault),

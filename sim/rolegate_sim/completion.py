@@ -9,11 +9,13 @@ missing `[DONE]`, empty replies.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
+from rolegate_sim.answer import RichAnswer
 from rolegate_sim.pacing import Pacer
 from rolegate_sim.scenario import (
     CutFault,
@@ -53,9 +55,12 @@ class Plan:
     created: int
     model: tuple[str, bytes]  # (name, JSON-encoded name)
     provider: tuple[str, bytes]
+    # A plain text answer's tokens, each one piece; empty when the answer is `rich`.
     tokens: Sequence[str]
     # Precomputed JSON strings of `tokens` when the reply is the scenario's unmodified one.
     token_json: Sequence[bytes] | None
+    # An answer with reasoning or tool calls, in pieces; None for plain text.
+    rich: RichAnswer | None
     finish_reason: str
     prompt_tokens: int
     include_usage: bool
@@ -69,27 +74,32 @@ class Plan:
             self.token_json = tuple(encode_json_string(t) for t in self.tokens)
         return self.token_json
 
+    def piece_count(self) -> int:
+        """How many pieces the answer has: tokens, or reasoning pieces, tokens and tool call
+        events. Faults' positions, `max_tokens` and usage all count these."""
+        return len(self.tokens) if self.rich is None else len(self.rich.pieces)
+
     def stop_index(self) -> int:
-        """How many tokens are generated before a cut or mid-stream error interrupts."""
+        """How many pieces are generated before a cut or mid-stream error interrupts."""
         fault = self.fault
-        n = len(self.tokens)
+        n = self.piece_count()
         if isinstance(fault, CutFault | StreamErrorFault):
             return min(fault.after_tokens, n)
         return n
 
     def stall_index(self) -> int | None:
-        """Before which token the stall happens; len(tokens) means before the finish."""
+        """Before which piece the stall happens; piece_count() means before the finish."""
         fault = self.fault
         if isinstance(fault, StallFault):
-            return min(fault.after_tokens, len(self.tokens))
+            return min(fault.after_tokens, self.piece_count())
         return None
 
     def malformed_index(self) -> int | None:
-        """Before which token the malformed event goes; len(tokens) means before the
+        """Before which piece the malformed event goes; piece_count() means before the
         finish."""
         fault = self.fault
         if isinstance(fault, MalformedEventFault):
-            return min(fault.at_event - 1, len(self.tokens))
+            return min(fault.at_event - 1, self.piece_count())
         return None
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
@@ -124,9 +134,15 @@ async def send_stream(
     try:
         await response.prepare(request)
         # Headers and the role chunk go out at once, as OpenRouter does; TTFT is the wait
-        # for the first *content* event after them.
+        # for the first piece's event after them (reasoning, content or a tool call).
         await writer.send(encoder.role())
-        token_json = plan.encoded_tokens()
+        piece_json: Sequence[bytes]
+        event: Callable[[bytes], bytes]
+        if plan.rich is None:
+            # Plain text, the benchmarks' path: one concatenation per token.
+            piece_json, event = plan.encoded_tokens(), encoder.content
+        else:
+            piece_json, event = plan.rich.deltas(), encoder.delta
         for i in range(stop):
             if i == stall_at:
                 assert isinstance(fault, StallFault)
@@ -145,7 +161,7 @@ async def send_stream(
                     await await_cancellation()
             if i == malformed_at:
                 writer.add(MALFORMED_EVENT)
-            writer.add(encoder.content(token_json[i]))
+            writer.add(event(piece_json[i]))
             if writer.pending_bytes >= _MAX_BATCH_BYTES:
                 await writer.flush()
                 record.tokens_sent = i + 1
@@ -171,7 +187,7 @@ async def send_stream(
                 close_connection(request)
                 await await_cancellation()
         if stop == 0:
-            # No token carried the first content: the finish event is what TTFT delays.
+            # No piece carried the first content: the finish event is what TTFT delays.
             due = pacer.next_due()
             if isinstance(fault, KeepAliveCommentsFault):
                 await _comment_until(writer, fault, due)
@@ -198,7 +214,7 @@ async def send_stream(
 
 
 async def _comment_until(writer: EventWriter, fault: KeepAliveCommentsFault, due: float) -> None:
-    """SSE comments every `every_seconds` until the loop time `due` (the first token)."""
+    """SSE comments every `every_seconds` until the loop time `due` (the first piece)."""
     loop = asyncio.get_running_loop()
     comment = b": " + fault.text.encode("utf-8") + b"\n\n"
     while (left := due - loop.time()) > 0:
@@ -210,7 +226,7 @@ async def _comment_until(writer: EventWriter, fault: KeepAliveCommentsFault, due
 async def send_completion(
     request: web.Request, plan: Plan, record: RequestRecord
 ) -> web.StreamResponse:
-    """Non-streaming: wait as long as generating the tokens would take, then answer at once.
+    """Non-streaming: wait as long as generating the pieces would take, then answer at once.
 
     cut closes the connection with no response; streamError answers with an HTTP error.
     """
@@ -218,7 +234,8 @@ async def send_completion(
     stall_at = plan.stall_index()
     interrupted = isinstance(fault, CutFault | StreamErrorFault)
     # An empty answer still waits for its TTFT, hence at least one deadline.
-    generated = plan.stop_index() if interrupted else max(len(plan.tokens), 1)
+    pieces = plan.piece_count()
+    generated = plan.stop_index() if interrupted else max(pieces, 1)
     due: float | None = None
     for i in range(generated):
         if i == stall_at:
@@ -226,7 +243,7 @@ async def send_completion(
             plan.pacer.delay(fault.seconds)
         due = plan.pacer.next_due()
     if isinstance(fault, StallFault) and stall_at is not None and stall_at >= generated:
-        # Stalled after the last token, before the answer is complete.
+        # Stalled after the last piece, before the answer is complete.
         due = (due or 0.0) + fault.seconds
     if due is not None:
         wait = due - asyncio.get_running_loop().time()
@@ -254,7 +271,10 @@ async def send_completion(
             record.finish(Outcome.STREAM_ERROR)
             return response
 
-        content = "".join(plan.tokens)
+        if plan.rich is None:
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(plan.tokens)}
+        else:
+            message = plan.rich.message()
         body = dumps(
             {
                 "id": plan.gen_id,
@@ -265,11 +285,11 @@ async def send_completion(
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": content},
+                        "message": message,
                         "finish_reason": plan.finish_reason,
                     }
                 ],
-                "usage": plan.usage(len(plan.tokens)),
+                "usage": plan.usage(pieces),
             }
         )
         record.status = 200
@@ -279,6 +299,6 @@ async def send_completion(
     except ConnectionError:
         record.finish(Outcome.CLIENT_DISCONNECTED)
         await await_cancellation()
-    record.tokens_sent = len(plan.tokens)
+    record.tokens_sent = pieces
     record.finish(Outcome.COMPLETED)
     return response

@@ -301,6 +301,12 @@ class MachineSpec(_Frozen):
 class ModelSpec(_Frozen):
     name: Annotated[str, Field(min_length=1)]
     reply: str = DEFAULT_REPLY
+    # What the model "thinks" before it answers, streamed ahead of the reply; "" is a model
+    # that does not reason. Tokenised like the reply.
+    reasoning: str = ""
+    # The delta field reasoning travels in: `reasoning_content` is llama.cpp's, vLLM's and
+    # DeepSeek's, `reasoning` OpenRouter's.
+    reasoning_field: Literal["reasoning_content", "reasoning"] = "reasoning_content"
     machines: tuple[MachineSpec, ...]
 
     # Checked after item validation (not with `min_length`) so that a bad machine does not

@@ -137,7 +137,16 @@ class MachineState:
 
 
 class ModelState:
-    __slots__ = ("machine_names", "machines", "name", "name_json", "spec", "token_json", "tokens")
+    __slots__ = (
+        "machine_names",
+        "machines",
+        "name",
+        "name_json",
+        "reasoning_tokens",
+        "spec",
+        "token_json",
+        "tokens",
+    )
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
@@ -147,6 +156,7 @@ class ModelState:
         self.machine_names = tuple(self.machines)
         self.tokens = tokenize(spec.reply)
         self.token_json = tuple(encode_json_string(t) for t in self.tokens)
+        self.reasoning_tokens = tokenize(spec.reasoning)
 
 
 class SimState:

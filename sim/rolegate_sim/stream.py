@@ -87,6 +87,10 @@ class ChunkEncoder:
     def content(self, token_json: bytes) -> bytes:
         return self._head + b'{"content":' + token_json + b'},"finish_reason":null}]}\n\n'
 
+    def delta(self, delta_json: bytes) -> bytes:
+        """An event carrying any delta (reasoning, a tool call), given as its JSON object."""
+        return self._head + delta_json + b',"finish_reason":null}]}\n\n'
+
     def finish(self, reason: str, *, empty_content: bool = False) -> bytes:
         delta = _EMPTY_CONTENT_DELTA if empty_content else _NO_DELTA
         return self._head + delta + b',"finish_reason":"' + reason.encode("ascii") + b'"}]}\n\n'

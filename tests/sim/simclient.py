@@ -35,12 +35,15 @@ def machine(name: str, *faults: dict[str, Any], **settings: Any) -> dict[str, An
     }
 
 
-def scenario(*machines: dict[str, Any], reply: str = REPLY, **top: Any) -> dict[str, Any]:
-    return {
-        "seed": 7,
-        **top,
-        "models": [{"name": MODEL, "reply": reply, "machines": list(machines)}],
-    }
+def scenario(
+    *machines: dict[str, Any],
+    reply: str = REPLY,
+    model_fields: dict[str, Any] | None = None,
+    **top: Any,
+) -> dict[str, Any]:
+    """One model served by `machines`; `model_fields` adds to the model (reasoning, ...)."""
+    model = {"name": MODEL, "reply": reply, **(model_fields or {}), "machines": list(machines)}
+    return {"seed": 7, **top, "models": [model]}
 
 
 def body(**fields: Any) -> dict[str, Any]:
@@ -63,6 +66,11 @@ class Reply:
     @property
     def chunks(self) -> list[dict[str, Any]]:
         return [e for e in self.events if isinstance(e, dict) and "choices" in e]
+
+    @property
+    def deltas(self) -> list[dict[str, Any]]:
+        """The `delta` of every chunk that has one (the usage chunk has no choices)."""
+        return [choice["delta"] for chunk in self.chunks for choice in chunk["choices"]]
 
     @property
     def text(self) -> str:

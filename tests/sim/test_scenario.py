@@ -47,6 +47,7 @@ def test_defaults() -> None:
     assert scenario.charset is None
     model = scenario.models[0]
     assert model.reply == DEFAULT_REPLY
+    assert (model.reasoning, model.reasoning_field) == ("", "reasoning_content")
     # The default reply exercises every UTF-8 sequence length.
     assert {len(ch.encode()) for ch in DEFAULT_REPLY} == {1, 2, 3, 4}
     machine = model.machines[0]
@@ -154,6 +155,19 @@ def test_a_model_needs_machines_and_a_scenario_needs_models() -> None:
     assert "at least one machine" in _error({"models": [{"name": "m", "machines": []}]})
     assert "models: required field is missing" in _error({})
     assert "must be a mapping" in _error(["not", "a", "mapping"])
+
+
+def test_the_reasoning_field_is_one_of_the_two_that_servers_use() -> None:
+    model = {
+        "name": "org/m",
+        "reasoning": "hmm",
+        "reasoningField": "reasoning",
+        "machines": [{"name": "x"}],
+    }
+    assert parse_scenario({"models": [model]}).models[0].reasoning_field == "reasoning"
+    message = _error({"models": [{**model, "reasoningField": "thoughts"}]})
+    assert "models[0].reasoningField: Input should be 'reasoning_content' or 'reasoning'" in message
+    assert "(got 'thoughts')" in message
 
 
 def test_charset_is_null_or_utf8() -> None:
