@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rolegate_sim.answer import RichAnswer, compose
+from rolegate_sim.answer import NO_TOOLS, RichAnswer, ToolCall, ToolChoice, compose, select_calls
 from rolegate_sim.completion import Plan, send_completion, send_stream
 from rolegate_sim.faults import FaultDecision, decide, request_rng
 from rolegate_sim.pacing import Pacer
@@ -44,6 +44,7 @@ from rolegate_sim.scenario import (
     ResetFault,
     ServerErrorFault,
     SplitWritesFault,
+    ToolCallSpec,
 )
 from rolegate_sim.state import MachineState, ModelState, Outcome, RequestRecord, SimState
 from rolegate_sim.stream import (
@@ -78,6 +79,7 @@ class ChatRequest:
     # None when the body had no `provider` object at all.
     preferences: ProviderPreferences | None
     route_fields: dict[str, Any] | None = None
+    tools: ToolChoice = NO_TOOLS
 
 
 def parse_chat_request(raw: bytes) -> ChatRequest:
@@ -117,8 +119,41 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
     except PreferenceError as exc:
         raise BadRequest(str(exc)) from exc
     return ChatRequest(
-        model, messages, stream, include_usage, max_tokens, preferences, route_fields(body)
+        model,
+        messages,
+        stream,
+        include_usage,
+        max_tokens,
+        preferences,
+        route_fields(body),
+        parse_tool_choice(body),
     )
+
+
+def parse_tool_choice(body: dict[str, Any]) -> ToolChoice:
+    """What `tools`, `tool_choice` and `parallel_tool_calls` let the model call. The tools
+    themselves are not read: the scenario says what the model calls."""
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("`tools` must be a list")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadRequest("`parallel_tool_calls` must be a boolean")
+    choice = body.get("tool_choice")
+    only: str | None = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        only = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(only, str):
+            raise BadRequest(
+                'a `tool_choice` object must name a function: {"type": "function", '
+                '"function": {"name": "..."}}'
+            )
+    elif choice is not None and not isinstance(choice, str):
+        raise BadRequest('`tool_choice` must be "none", "auto", "required" or an object')
+    if not tools or choice == "none":
+        return NO_TOOLS
+    return ToolChoice(allowed=True, only=only, parallel=parallel is not False)
 
 
 async def handle_chat(request: web.Request) -> web.StreamResponse:
@@ -248,7 +283,8 @@ async def _serve(
         close_connection(request)
         await await_cancellation()
 
-    plan = _plan(state, model, routed, chat, record, fault)
+    calls = select_calls(model.spec.tool_calls, chat.tools)
+    plan = _plan(state, model, routed, chat, record, fault, calls)
     if chat.stream:
         return await send_stream(request, plan, record)
     return await send_completion(request, plan, record)
@@ -261,9 +297,17 @@ def _plan(
     chat: ChatRequest,
     record: RequestRecord,
     fault: Fault | None,
+    calls: tuple[ToolCallSpec, ...],
 ) -> Plan:
     machine = routed.machine
     spec = machine.spec
+    gen_id = "gen-" + secrets.token_hex(12)
+    # Ids unique to the call and the response, so that an agent's history never holds two
+    # calls of one id however many turns it takes.
+    tool_calls = tuple(
+        ToolCall(call.id or f"call_{i}_{gen_id[4:12]}", call.name, call.arguments)
+        for i, call in enumerate(calls)
+    )
     tokens: tuple[str, ...] = model.tokens
     token_json: tuple[bytes, ...] | None = model.token_json
     reasoning: tuple[str, ...] = model.reasoning_tokens
@@ -281,7 +325,7 @@ def _plan(
             record.continued_partial = True
 
     if isinstance(fault, EmptyFault):
-        tokens, token_json, reasoning = (), (), ()
+        tokens, token_json, reasoning, tool_calls = (), (), (), ()
     elif isinstance(fault, MojibakeFault):
         tokens, token_json, reasoning = mojibake(tokens), None, mojibake(reasoning)
     elif isinstance(fault, ReplacementCharFault):
@@ -290,11 +334,17 @@ def _plan(
 
     # Plain text keeps its precomputed tokens; anything more is composed into pieces.
     rich: RichAnswer | None = None
-    if reasoning:
-        rich = compose(reasoning, tokens, reasoning_field=model.spec.reasoning_field)
+    if reasoning or tool_calls:
+        rich = compose(
+            reasoning,
+            tokens,
+            tool_calls,
+            reasoning_field=model.spec.reasoning_field,
+            argument_piece_chars=model.spec.argument_piece_chars,
+        )
         tokens, token_json = (), ()
 
-    finish_reason = "stop"
+    finish_reason = "tool_calls" if tool_calls else "stop"
     limit = chat.max_tokens
     if rich is None and limit is not None and len(tokens) > limit:
         tokens = tokens[:limit]
@@ -303,6 +353,8 @@ def _plan(
     elif rich is not None and limit is not None and len(rich.pieces) > limit:
         rich = rich.truncated(limit)
         finish_reason = "length"
+    if rich is not None:
+        record.tool_call_starts = rich.call_starts()
 
     ttft = spec.ttft_seconds or 0.0
     if isinstance(fault, LateFirstTokenFault | KeepAliveCommentsFault):
@@ -316,7 +368,7 @@ def _plan(
         collapse=fault if isinstance(fault, RateCollapseFault) else None,
     )
     return Plan(
-        gen_id="gen-" + secrets.token_hex(12),
+        gen_id=gen_id,
         created=int(time.time()),
         model=(model.name, model.name_json),
         provider=(machine.name, machine.name_json),

@@ -298,6 +298,17 @@ class MachineSpec(_Frozen):
     faults: tuple[Fault, ...] = ()
 
 
+class ToolCallSpec(_Frozen):
+    """A function call the model answers with when the request declares tools."""
+
+    name: Annotated[str, Field(min_length=1)]
+    # The arguments' JSON text exactly as it is sent: never parsed, so it may be anything.
+    arguments: str
+    # None: `call_<index>_<the first 8 hex digits of the response id>`, so unique to the
+    # call and the response.
+    id: Annotated[str, Field(min_length=1)] | None = None
+
+
 class ModelSpec(_Frozen):
     name: Annotated[str, Field(min_length=1)]
     reply: str = DEFAULT_REPLY
@@ -307,6 +318,11 @@ class ModelSpec(_Frozen):
     # The delta field reasoning travels in: `reasoning_content` is llama.cpp's, vLLM's and
     # DeepSeek's, `reasoning` OpenRouter's.
     reasoning_field: Literal["reasoning_content", "reasoning"] = "reasoning_content"
+    # What the model calls, after its reply text, when the request declares tools.
+    tool_calls: tuple[ToolCallSpec, ...] = ()
+    # Streamed arguments go out in fragments of this many characters (not bytes: a JSON
+    # string cannot split a character), so fragments cut keys, escapes and strings anywhere.
+    argument_piece_chars: Annotated[int, Field(ge=1)] = 5
     machines: tuple[MachineSpec, ...]
 
     # Checked after item validation (not with `min_length`) so that a bad machine does not
@@ -318,6 +334,18 @@ class ModelSpec(_Frozen):
     ) -> tuple[MachineSpec, ...]:
         _require_unique_nonempty([m.name for m in machines], "machine")
         return machines
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_call_ids_unique(cls, calls: tuple[ToolCallSpec, ...]) -> tuple[ToolCallSpec, ...]:
+        # A client pairs each tool result with its call by id: two calls cannot share one.
+        ids = [call.id for call in calls if call.id is not None]
+        for i, call_id in enumerate(ids):
+            if call_id in ids[:i]:
+                raise ValueError(
+                    f"tool call id {call_id!r} appears more than once; ids must be unique"
+                )
+        return calls
 
     def machine(self, name: str) -> MachineSpec | None:
         for machine in self.machines:
@@ -458,7 +486,7 @@ def _short_repr(value: object) -> str:
 
 
 def _known_field_names() -> list[str]:
-    classes: list[type[BaseModel]] = [Scenario, ModelSpec, MachineSpec]
+    classes: list[type[BaseModel]] = [Scenario, ModelSpec, MachineSpec, ToolCallSpec]
     classes.extend(_FaultBase.__subclasses__())
     names: set[str] = set()
     for cls in classes:

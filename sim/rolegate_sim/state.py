@@ -8,6 +8,7 @@ concatenation.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import time
 import weakref
@@ -59,7 +60,10 @@ class RequestRecord:
     route_fields: dict[str, Any] | None = None
     status: int | None = None
     outcome: Outcome | None = None
+    # Pieces written to the client: tokens, and reasoning pieces and tool call events.
     tokens_sent: int = 0
+    # The piece index of each tool call's first event, for `tool_calls_sent`.
+    tool_call_starts: tuple[int, ...] = ()
     ended_at: float | None = None
     # A fingerprint of the bearer token the client sent (first 12 hex digits of its
     # SHA-256), so a test can check which key arrived without the key being stored.
@@ -73,6 +77,11 @@ class RequestRecord:
         if self.outcome is None:
             self.outcome = outcome
             self.ended_at = time.time()
+
+    @property
+    def tool_calls_sent(self) -> int:
+        """Tool calls whose first event was written."""
+        return bisect.bisect_left(self.tool_call_starts, self.tokens_sent)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -90,6 +99,7 @@ class RequestRecord:
             "status": self.status,
             "outcome": "in_progress" if self.outcome is None else str(self.outcome),
             "tokens_sent": self.tokens_sent,
+            "tool_calls_sent": self.tool_calls_sent,
             "bearer_sha256": self.bearer_sha256,
             "traceparent": self.traceparent,
             "started_at": self.started_at,

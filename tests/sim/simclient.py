@@ -73,6 +73,37 @@ class Reply:
         return [choice["delta"] for chunk in self.chunks for choice in chunk["choices"]]
 
     @property
+    def reasoning(self) -> str:
+        """The streamed reasoning, in whichever of the two fields it came."""
+        return "".join(
+            delta.get("reasoning_content") or delta.get("reasoning") or "" for delta in self.deltas
+        )
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        """The streamed tool calls put together by `index`, as agents do: the id and name
+        from a call's first event, the arguments from every event's fragment in order."""
+        calls: dict[int, dict[str, Any]] = {}
+        for delta in self.deltas:
+            for part in delta.get("tool_calls", []):
+                call = calls.setdefault(part["index"], {"id": None, "name": None, "arguments": ""})
+                function = part.get("function", {})
+                if "id" in part:
+                    call["id"] = part["id"]
+                if "name" in function:
+                    call["name"] = function["name"]
+                call["arguments"] += function.get("arguments", "")
+        return [calls[index] for index in sorted(calls)]
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The stream's finish reason; None when it never finished."""
+        reasons = [
+            chunk["choices"][0]["finish_reason"] for chunk in self.chunks if chunk["choices"]
+        ]
+        return next((reason for reason in reasons if reason is not None), None)
+
+    @property
     def text(self) -> str:
         return "".join(
             choice["delta"].get("content") or ""

@@ -1,16 +1,31 @@
-"""Answers beyond text: reasoning before the reply, as thinking models stream it, on the
-wire and through the openai client."""
+"""Answers beyond text: reasoning before the reply and tool calls after it, as thinking
+and agentic models stream them, on the wire and through the openai client."""
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageFunctionToolCall, ChatCompletionToolParam
 
-from .simclient import MODEL, REPLY, USER, StartSim, body, chat, machine, records, scenario
+from .simclient import (
+    MODEL,
+    REPLY,
+    USER,
+    StartSim,
+    body,
+    chat,
+    finished_record,
+    machine,
+    parse_sse,
+    raw_post,
+    records,
+    scenario,
+)
 
 MODEL_FIELDS_THINKING = {"reasoning": "let me think — 日本 ok"}
 THINKING = ["let ", "me ", "think ", "— ", "日本 ", "ok"]  # its six pieces
@@ -153,3 +168,368 @@ async def test_a_continuation_sends_no_reasoning(
     assert whole.deltas[1] == {"reasoning_content": "let "}
     flags = [r["continued_partial"] for r in await records(http, sim.url)]
     assert flags == [True, True, False]
+
+
+# --- tool calls ----------------------------------------------------------------------------
+
+WEATHER_ARGS = '{"city": "Paris", "unit": "c"}'  # 30 characters: five fragments of 7
+TIME_ARGS = '{"tz":"Europe/Paris"}'  # 21 characters: three fragments of 7
+AGENT = {
+    "reasoning": "need the weather",  # three pieces
+    "toolCalls": [
+        {"name": "get_weather", "arguments": WEATHER_ARGS},
+        {"name": "get_time", "arguments": TIME_ARGS, "id": "call_custom"},
+    ],
+    "argumentPieceChars": 7,
+}
+AGENT_REPLY = "Let me check."  # three tokens
+TOOLS: list[ChatCompletionToolParam] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]
+# 3 reasoning + 3 content + (1 + 5) + (1 + 3) tool call events.
+AGENT_PIECES = 16
+
+
+def _fragments(text: str, size: int = 7) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)]
+
+
+async def _agent(start_sim: StartSim, *faults: dict[str, Any], **fields: Any) -> str:
+    sim = await start_sim(
+        scenario(machine("a", *faults), reply=AGENT_REPLY, model_fields={**AGENT, **fields})
+    )
+    return sim.url
+
+
+async def test_a_stream_with_reasoning_text_and_two_parallel_tool_calls(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await _agent(start_sim)
+    reply = await chat(
+        http, url, body(stream=True, tools=TOOLS, stream_options={"include_usage": True})
+    )
+    first_id = f"call_0_{reply.chunks[0]['id'][4:12]}"
+    assert reply.deltas == [
+        {"role": "assistant", "content": ""},
+        *({"reasoning_content": p} for p in ("need ", "the ", "weather")),
+        *({"content": t} for t in ("Let ", "me ", "check.")),
+        {"tool_calls": [{"index": 0, "id": first_id, "type": "function",
+                         "function": {"name": "get_weather", "arguments": ""}}]},
+        *({"tool_calls": [{"index": 0, "function": {"arguments": f}}]}
+          for f in _fragments(WEATHER_ARGS)),
+        {"tool_calls": [{"index": 1, "id": "call_custom", "type": "function",
+                         "function": {"name": "get_time", "arguments": ""}}]},
+        *({"tool_calls": [{"index": 1, "function": {"arguments": f}}]}
+          for f in _fragments(TIME_ARGS)),
+        {},
+    ]  # fmt: skip
+    assert reply.tool_calls == [
+        {"id": first_id, "name": "get_weather", "arguments": WEATHER_ARGS},
+        {"id": "call_custom", "name": "get_time", "arguments": TIME_ARGS},
+    ]
+    assert (reply.reasoning, reply.text) == ("need the weather", AGENT_REPLY)
+    assert reply.finish_reason == "tool_calls"
+    assert reply.events[-2]["usage"]["completion_tokens"] == AGENT_PIECES
+    assert reply.events[-1] == "[DONE]"
+    # The chunk head is a plain answer's: one id, the model, the machine.
+    assert {(c["id"], c["object"], c["provider"]) for c in reply.chunks} == {
+        (reply.chunks[0]["id"], "chat.completion.chunk", "a")
+    }
+    (record,) = await records(http, url)
+    assert (record["tokens_sent"], record["tool_calls_sent"]) == (AGENT_PIECES, 2)
+
+
+async def test_the_openai_client_puts_the_streamed_calls_together(start_sim: StartSim) -> None:
+    url = await _agent(start_sim)
+    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            tools=TOOLS,
+            stream=True,
+        )
+        thought, said, finish = [], [], None
+        calls: dict[int, dict[str, str]] = {}
+        async for chunk in stream:
+            choice = chunk.choices[0]
+            thought.append((choice.delta.model_extra or {}).get("reasoning_content") or "")
+            said.append(choice.delta.content or "")
+            # What agents do: a call's first delta opens it, later ones extend its arguments.
+            for part in choice.delta.tool_calls or []:
+                call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+                call["id"] += part.id or ""
+                if part.function is not None:
+                    call["name"] += part.function.name or ""
+                    call["arguments"] += part.function.arguments or ""
+            finish = choice.finish_reason or finish
+        assert ("".join(thought), "".join(said), finish) == (
+            "need the weather",
+            AGENT_REPLY,
+            "tool_calls",
+        )
+        assert [calls[i]["name"] for i in sorted(calls)] == ["get_weather", "get_time"]
+        assert [calls[i]["arguments"] for i in sorted(calls)] == [WEATHER_ARGS, TIME_ARGS]
+        assert calls[0]["id"].startswith("call_0_")
+        assert calls[1]["id"] == "call_custom"
+
+        completion = await client.chat.completions.create(
+            model=MODEL,
+            messages=USER,
+            tools=TOOLS,
+        )
+        message = completion.choices[0].message
+        assert completion.choices[0].finish_reason == "tool_calls"
+        assert message.content == AGENT_REPLY
+        assert (message.model_extra or {})["reasoning_content"] == "need the weather"
+        function_calls = [
+            call
+            for call in message.tool_calls or []
+            if isinstance(call, ChatCompletionMessageFunctionToolCall)
+        ]
+        assert [(c.id, c.function.name, c.function.arguments) for c in function_calls] == [
+            (f"call_0_{completion.id[4:12]}", "get_weather", WEATHER_ARGS),
+            ("call_custom", "get_time", TIME_ARGS),
+        ]
+
+
+async def test_a_non_streamed_answer_with_tool_calls(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await _agent(start_sim)
+    answer = (await chat(http, url, body(tools=TOOLS))).json()
+    assert answer["choices"] == [
+        {
+            "index": 0,
+            "message": {
+                "role": "assistant",
+                "content": AGENT_REPLY,
+                "reasoning_content": "need the weather",
+                "tool_calls": [
+                    {
+                        "id": f"call_0_{answer['id'][4:12]}",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": WEATHER_ARGS},
+                    },
+                    {
+                        "id": "call_custom",
+                        "type": "function",
+                        "function": {"name": "get_time", "arguments": TIME_ARGS},
+                    },
+                ],
+            },
+            "finish_reason": "tool_calls",
+        }
+    ]
+    assert answer["usage"]["completion_tokens"] == AGENT_PIECES
+    (record,) = await records(http, url)
+    assert (record["tokens_sent"], record["tool_calls_sent"]) == (AGENT_PIECES, 2)
+
+
+async def test_calls_without_text_have_null_content(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    sim = await start_sim(
+        scenario(machine("a"), reply="", model_fields={"toolCalls": AGENT["toolCalls"]})
+    )
+    message = (await chat(http, sim.url, body(tools=TOOLS))).json()["choices"][0]["message"]
+    assert message["content"] is None
+    assert "reasoning_content" not in message  # the model does not reason
+    assert [call["function"]["name"] for call in message["tool_calls"]] == [
+        "get_weather",
+        "get_time",
+    ]
+    streamed = await chat(http, sim.url, body(stream=True, tools=TOOLS))
+    # Straight from the role chunk to the first call.
+    assert streamed.deltas[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert streamed.text == ""
+
+
+@pytest.mark.parametrize(
+    ("fields", "names"),
+    [
+        ({}, ["get_weather", "get_time"]),
+        ({"tool_choice": "auto"}, ["get_weather", "get_time"]),
+        ({"tool_choice": "required"}, ["get_weather", "get_time"]),
+        ({"tool_choice": "none"}, []),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, ["get_time"]),
+        ({"tool_choice": {"type": "function", "function": {"name": "search"}}}, []),
+        ({"parallel_tool_calls": False}, ["get_weather"]),
+        ({"parallel_tool_calls": True}, ["get_weather", "get_time"]),
+        (
+            {
+                "parallel_tool_calls": False,
+                "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            },
+            ["get_time"],
+        ),
+    ],
+)
+@pytest.mark.parametrize("stream", [True, False])
+async def test_tool_choice_and_parallel_tool_calls_decide_the_calls(
+    start_sim: StartSim,
+    http: aiohttp.ClientSession,
+    fields: dict[str, Any],
+    names: list[str],
+    stream: bool,
+) -> None:
+    url = await _agent(start_sim)
+    reply = await chat(http, url, body(stream=stream, tools=TOOLS, **fields))
+    if stream:
+        calls, finish = reply.tool_calls, reply.finish_reason
+        assert [c["name"] for c in calls] == names
+        assert reply.text == AGENT_REPLY
+    else:
+        choice = reply.json()["choices"][0]
+        calls, finish = choice["message"].get("tool_calls", []), choice["finish_reason"]
+        assert [c["function"]["name"] for c in calls] == names
+        assert choice["message"]["content"] == AGENT_REPLY
+    # Indexes number the calls sent, from 0, whichever were left out.
+    if stream and names:
+        indexes = {part["index"] for delta in reply.deltas for part in delta.get("tool_calls", [])}
+        assert sorted(indexes) == list(range(len(names)))
+    assert finish == ("tool_calls" if names else "stop")
+    (record,) = await records(http, url)
+    assert record["tool_calls_sent"] == len(names)
+
+
+@pytest.mark.parametrize("tools", [None, []])
+async def test_no_tools_declared_means_no_calls(
+    start_sim: StartSim, http: aiohttp.ClientSession, tools: list[Any] | None
+) -> None:
+    url = await _agent(start_sim)
+    fields = {} if tools is None else {"tools": tools}
+    streamed = await chat(http, url, body(stream=True, **fields))
+    assert (streamed.tool_calls, streamed.finish_reason) == ([], "stop")
+    assert (streamed.reasoning, streamed.text) == ("need the weather", AGENT_REPLY)
+    message = (await chat(http, url, body(**fields))).json()["choices"][0]["message"]
+    assert "tool_calls" not in message
+    assert message["content"] == AGENT_REPLY
+    assert [r["tokens_sent"] for r in await records(http, url)] == [6, 6]
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"tools": {"type": "function"}}, "`tools` must be a list"),
+        ({"tool_choice": {"type": "function"}}, "must name a function"),
+        ({"tool_choice": 3}, "`tool_choice` must be"),
+        ({"parallel_tool_calls": "no"}, "`parallel_tool_calls` must be a boolean"),
+    ],
+)
+async def test_malformed_tool_fields_are_a_400(
+    start_sim: StartSim, http: aiohttp.ClientSession, fields: dict[str, Any], message: str
+) -> None:
+    url = await _agent(start_sim)
+    reply = await chat(http, url, body(**fields))
+    assert reply.status == 400
+    assert message in reply.json()["error"]["message"]
+    assert reply.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("limit", [9, 12])
+async def test_max_tokens_cuts_inside_the_arguments(
+    start_sim: StartSim, http: aiohttp.ClientSession, limit: int
+) -> None:
+    url = await _agent(start_sim)
+    # Six pieces of reasoning and text, the call's first event, then fragments of it.
+    fragments_sent = limit - 7
+    cut_args = "".join(_fragments(WEATHER_ARGS)[:fragments_sent])
+    streamed = await chat(
+        http,
+        url,
+        body(stream=True, tools=TOOLS, max_tokens=limit, stream_options={"include_usage": True}),
+    )
+    assert [(c["name"], c["arguments"]) for c in streamed.tool_calls] == [("get_weather", cut_args)]
+    assert streamed.finish_reason == "length"
+    assert streamed.events[-2]["usage"]["completion_tokens"] == limit
+    plain = (await chat(http, url, body(tools=TOOLS, max_tokens=limit))).json()
+    (call,) = plain["choices"][0]["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": cut_args}
+    assert plain["choices"][0]["finish_reason"] == "length"
+    assert plain["usage"]["completion_tokens"] == limit
+    assert [(r["tokens_sent"], r["tool_calls_sent"]) for r in await records(http, url)] == [
+        (limit, 1),
+        (limit, 1),
+    ]
+
+
+async def test_max_tokens_at_the_second_calls_first_event(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await _agent(start_sim)
+    # 12 pieces end the first call; the 13th is the second call's first event.
+    streamed = await chat(http, url, body(stream=True, tools=TOOLS, max_tokens=13))
+    assert streamed.tool_calls[1] == {"id": "call_custom", "name": "get_time", "arguments": ""}
+    assert streamed.finish_reason == "length"
+    exactly = await chat(http, url, body(stream=True, tools=TOOLS, max_tokens=AGENT_PIECES))
+    assert exactly.finish_reason == "tool_calls"  # nothing was cut
+    assert [r["tool_calls_sent"] for r in await records(http, url)] == [2, 2]
+
+
+async def test_a_cut_inside_a_tool_call(start_sim: StartSim, http: aiohttp.ClientSession) -> None:
+    sim = await start_sim(
+        scenario(
+            machine("a", {"kind": "cut", "always": True, "afterTokens": 9}),
+            reply=AGENT_REPLY,
+            model_fields=AGENT,
+        )
+    )
+    exchange = await raw_post(sim.port, body(stream=True, tools=TOOLS))
+    assert exchange.status == 200
+    events = parse_sse(exchange.body)
+    deltas = [event["choices"][0]["delta"] for event in events]
+    # The role chunk, then nine pieces: six of reasoning and text, the call's first event
+    # and two fragments of its arguments; then nothing, not even a finish.
+    assert len(deltas) == 10
+    assert deltas[-1] == {"tool_calls": [{"index": 0, "function": {"arguments": ': "Pari'}}]}
+    assert all(event["choices"][0]["finish_reason"] is None for event in events)
+    record = await finished_record(http, sim.url)
+    assert (record["outcome"], record["tokens_sent"], record["tool_calls_sent"]) == ("cut", 9, 1)
+
+
+async def test_a_stream_error_and_a_malformed_event_land_between_argument_fragments(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await _agent(start_sim, {"kind": "streamError", "always": True, "afterTokens": 8})
+    errored = await chat(http, url, body(stream=True, tools=TOOLS))
+    assert errored.events[-1]["error"]["code"] == 502
+    # The role chunk, then eight pieces: the call's first event and its first fragment.
+    (call,) = errored.tool_calls
+    assert (call["name"], call["arguments"]) == ("get_weather", '{"city"')
+    url = await _agent(start_sim, {"kind": "malformedEvent", "always": True, "atEvent": 9})
+    raw = (await chat(http, url, body(stream=True, tools=TOOLS))).raw
+    blocks = raw.split(b"\n\n")
+    bad = blocks.index(b'data: {"choices": [')
+    # After the role chunk and eight pieces, before the ninth; nothing left out.
+    assert bad == 9
+    assert b'"arguments":": \\"Pari"' in blocks[bad + 1]
+    (record,) = [r for r in await records(http, url) if r["fault"] == "malformedEvent"]
+    assert record["tokens_sent"] == AGENT_PIECES
+
+
+async def test_arguments_split_between_multibyte_characters_and_inside_escapes(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    arguments = '{"q": "café — 日本語 🎉\\n"}'
+    call = {"name": "search", "arguments": arguments}
+    sim = await start_sim(
+        scenario(machine("a"), model_fields={"toolCalls": [call], "argumentPieceChars": 4})
+    )
+    tools = [{"type": "function", "function": {"name": "search"}}]
+    streamed = await chat(http, sim.url, body(stream=True, tools=tools))
+    fragments = [
+        part["function"]["arguments"]
+        for delta in streamed.deltas
+        for part in delta.get("tool_calls", [])
+        if "id" not in part
+    ]
+    assert fragments == ['{"q"', ': "c', "afé ", "— 日本", "語 🎉\\", 'n"}']
+    # Characters, not bytes: every fragment is whole characters, sent as raw UTF-8.
+    assert all(len(fragment) == 4 for fragment in fragments[:-1])
+    assert "— 日本".encode() in streamed.raw
+    assert b"\\u" not in streamed.raw
+    assert streamed.tool_calls[0]["arguments"] == arguments
+    assert json.loads(streamed.tool_calls[0]["arguments"]) == {"q": "café — 日本語 🎉\n"}
+    message = (await chat(http, sim.url, body(tools=tools))).json()["choices"][0]["message"]
+    assert message["tool_calls"][0]["function"]["arguments"] == arguments

@@ -48,6 +48,7 @@ def test_defaults() -> None:
     model = scenario.models[0]
     assert model.reply == DEFAULT_REPLY
     assert (model.reasoning, model.reasoning_field) == ("", "reasoning_content")
+    assert (model.tool_calls, model.argument_piece_chars) == ((), 5)
     # The default reply exercises every UTF-8 sequence length.
     assert {len(ch.encode()) for ch in DEFAULT_REPLY} == {1, 2, 3, 4}
     machine = model.machines[0]
@@ -168,6 +169,41 @@ def test_the_reasoning_field_is_one_of_the_two_that_servers_use() -> None:
     message = _error({"models": [{**model, "reasoningField": "thoughts"}]})
     assert "models[0].reasoningField: Input should be 'reasoning_content' or 'reasoning'" in message
     assert "(got 'thoughts')" in message
+
+
+def _model(**fields: Any) -> dict[str, Any]:
+    return {"models": [{"name": "org/m", **fields, "machines": [{"name": "x"}]}]}
+
+
+def test_tool_calls_parse_with_their_arguments_as_text() -> None:
+    calls = [{"name": "f", "arguments": '{"a": '}, {"name": "g", "arguments": "", "id": "c1"}]
+    model = parse_scenario(_model(toolCalls=calls, argumentPieceChars=2)).models[0]
+    assert [(c.name, c.arguments, c.id) for c in model.tool_calls] == [
+        ("f", '{"a": ', None),
+        ("g", "", "c1"),
+    ]
+    assert model.argument_piece_chars == 2
+
+
+def test_bad_tool_calls_are_named_with_their_path() -> None:
+    message = _error(_model(toolCalls=[{"name": "", "argument": "{}"}], argumentPieceChars=0))
+    assert "models[0].toolCalls[0].name: String should have at least 1 character" in message
+    assert "models[0].toolCalls[0].arguments: required field is missing" in message
+    assert (
+        "models[0].toolCalls[0].argument: unknown field `argument`; did you mean `arguments`?"
+        in message
+    )
+    assert (
+        "models[0].argumentPieceChars: Input should be greater than or equal to 1 (got 0)"
+        in message
+    )
+    same = [
+        {"name": "f", "arguments": "{}", "id": "c"},
+        {"name": "g", "arguments": "{}", "id": "c"},
+    ]
+    assert "models[0].toolCalls: tool call id 'c' appears more than once" in _error(
+        _model(toolCalls=same)
+    )
 
 
 def test_charset_is_null_or_utf8() -> None:
