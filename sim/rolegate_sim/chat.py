@@ -320,7 +320,10 @@ def _plan(
         # reply is sent, as a model that cannot continue would.
         if prefill and reply.startswith(prefill):
             tokens, token_json = tokenize(reply[len(prefill) :]), None
-            # Mid-answer, the thinking is over.
+            if spec.echoes_prefill:
+                tokens = tokenize(prefill) + tokens
+                record.echoed_prefill = True
+            # Mid-answer, the thinking is over; the tool calls, if any, are still to come.
             reasoning = ()
             record.continued_partial = True
 

@@ -295,6 +295,9 @@ class MachineSpec(_Frozen):
     tokens_per_second: Annotated[float, Field(ge=0)] | None = None
     jitter: Annotated[float, Field(ge=0, le=1)] = 0.0
     continues_partial_message: bool = False
+    # A continuing machine first re-sends the prefilled text itself, as content, then the
+    # continuation: what real llama-server does.
+    echoes_prefill: bool = False
     faults: tuple[Fault, ...] = ()
 
 

@@ -55,6 +55,8 @@ class RequestRecord:
     # Machines the aggregator skipped because a `down` fault fired on them.
     skipped_down: list[str] = field(default_factory=list)
     continued_partial: bool = False
+    # The continuation began by re-sending the prefill (echoesPrefill).
+    echoed_prefill: bool = False
     provider: dict[str, Any] | None = None
     # The top-level routing fields beyond `model` (`routing.ROUTE_FIELDS`) the body carried.
     route_fields: dict[str, Any] | None = None
@@ -94,6 +96,7 @@ class RequestRecord:
             "split_writes": self.split_writes,
             "skipped_down": list(self.skipped_down),
             "continued_partial": self.continued_partial,
+            "echoed_prefill": self.echoed_prefill,
             "provider": self.provider,
             "route_fields": self.route_fields,
             "status": self.status,

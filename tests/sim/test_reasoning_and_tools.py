@@ -533,3 +533,108 @@ async def test_arguments_split_between_multibyte_characters_and_inside_escapes(
     assert json.loads(streamed.tool_calls[0]["arguments"]) == {"q": "café — 日本語 🎉\n"}
     message = (await chat(http, sim.url, body(tools=tools))).json()["choices"][0]["message"]
     assert message["tool_calls"][0]["function"]["arguments"] == arguments
+
+
+# --- continuing a prefilled assistant message ------------------------------------------------
+
+
+def _prefilled(content: Any) -> list[Any]:
+    return [*USER, {"role": "assistant", "content": content}]
+
+
+async def test_an_echoing_machine_resends_the_prefill_then_continues(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    sim = await start_sim(
+        scenario(machine("echo", continuesPartialMessage=True, echoesPrefill=True), machine("b"))
+    )
+    streamed = await chat(http, sim.url, body(stream=True, messages=_prefilled("one two thr")))
+    contents = [d["content"] for d in streamed.deltas[1:-1]]
+    # The prefill exactly, tokenised like any text, then the rest of the reply.
+    assert contents[:3] == ["one ", "two ", "thr"]
+    assert contents[3:] == ["ee ", "four ", "five ", "six"]
+    assert streamed.text == REPLY
+    plain = (await chat(http, sim.url, body(messages=_prefilled("one two thr")))).json()
+    assert plain["choices"][0]["message"]["content"] == REPLY
+    assert plain["usage"]["completion_tokens"] == 7
+    # The echo counts against max_tokens (a real server counts generated tokens only).
+    capped = await chat(
+        http, sim.url, body(stream=True, max_tokens=4, messages=_prefilled("one two thr"))
+    )
+    assert (capped.text, capped.finish_reason) == ("one two three ", "length")
+    # A list of text parts is its joined text.
+    parts = _prefilled([{"type": "text", "text": "one "}, {"type": "text", "text": "two"}])
+    joined = await chat(http, sim.url, body(stream=True, messages=parts))
+    assert [d["content"] for d in joined.deltas[1:3]] == ["one ", "two"]
+    assert joined.text == REPLY
+    # A prefill the reply does not start with: the whole reply, nothing echoed.
+    whole = await chat(http, sim.url, body(stream=True, messages=_prefilled("zebra")))
+    assert whole.text == REPLY
+    flags = [
+        (r["continued_partial"], r["echoed_prefill"], r["tokens_sent"])
+        for r in await records(http, sim.url)
+    ]
+    # The parts' echo is two tokens, and the rest, " three four five six", five.
+    assert flags == [(True, True, 7)] * 2 + [(True, True, 4), (True, True, 7), (False, False, 6)]
+
+
+async def test_a_machine_that_does_not_echo_sends_only_the_rest(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    sim = await start_sim(scenario(machine("a", continuesPartialMessage=True)))
+    streamed = await chat(http, sim.url, body(stream=True, messages=_prefilled("one two thr")))
+    assert streamed.text == "ee four five six"
+    (record,) = await records(http, sim.url)
+    assert (record["continued_partial"], record["echoed_prefill"]) == (True, False)
+
+
+@pytest.mark.parametrize("echo", [False, True])
+async def test_a_continuation_ends_with_the_tool_calls(
+    start_sim: StartSim, http: aiohttp.ClientSession, echo: bool
+) -> None:
+    sim = await start_sim(
+        scenario(
+            machine("a", continuesPartialMessage=True, echoesPrefill=echo),
+            reply=AGENT_REPLY,
+            model_fields=AGENT,
+        )
+    )
+    streamed = await chat(
+        http, sim.url, body(stream=True, tools=TOOLS, messages=_prefilled("Let me "))
+    )
+    echoed = [{"content": "Let "}, {"content": "me "}] if echo else []
+    # No reasoning mid-answer: the rest of the text, then both calls.
+    assert streamed.deltas[1 : 2 + len(echoed)] == [*echoed, {"content": "check."}]
+    assert streamed.reasoning == ""
+    assert [(c["name"], c["arguments"]) for c in streamed.tool_calls] == [
+        ("get_weather", WEATHER_ARGS),
+        ("get_time", TIME_ARGS),
+    ]
+    assert streamed.finish_reason == "tool_calls"
+    message = (await chat(http, sim.url, body(tools=TOOLS, messages=_prefilled("Let me ")))).json()[
+        "choices"
+    ][0]["message"]
+    assert message["content"] == ("Let me check." if echo else "check.")
+    assert "reasoning_content" not in message
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == [WEATHER_ARGS, TIME_ARGS]
+    # The whole reply prefilled: the calls are all that is left (after the echo, if any).
+    done = await chat(
+        http, sim.url, body(stream=True, tools=TOOLS, messages=_prefilled(AGENT_REPLY))
+    )
+    assert done.text == (AGENT_REPLY if echo else "")
+    assert len(done.tool_calls) == 2
+    calls_at = 1 + (3 if echo else 0)
+    assert "tool_calls" in done.deltas[calls_at]
+    # Without tools declared, the whole reply prefilled leaves nothing (or just the echo).
+    nothing = await chat(http, sim.url, body(stream=True, messages=_prefilled(AGENT_REPLY)))
+    assert (nothing.text, nothing.finish_reason) == (AGENT_REPLY if echo else "", "stop")
+    pieces = (3 if echo else 1) + 10
+    assert [
+        (r["continued_partial"], r["echoed_prefill"], r["tokens_sent"], r["tool_calls_sent"])
+        for r in await records(http, sim.url)
+    ] == [
+        (True, echo, pieces, 2),
+        (True, echo, pieces, 2),
+        (True, echo, (3 if echo else 0) + 10, 2),
+        (True, echo, 3 if echo else 0, 0),
+    ]

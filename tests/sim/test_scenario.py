@@ -56,6 +56,7 @@ def test_defaults() -> None:
     assert machine.tokens_per_second is None
     assert machine.jitter == 0
     assert machine.continues_partial_message is False
+    assert machine.echoes_prefill is False
     assert machine.faults == ()
 
 
