@@ -11,11 +11,11 @@ encoded once per scenario, the path the benchmarks measure.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any
 
-from rolegate_sim.scenario import ToolCallSpec
+from rolegate_sim.scenario import MalformedToolCallFault, ToolCallSpec
 from rolegate_sim.stream import dumps
 from rolegate_sim.text import encode_json_string
 
@@ -50,6 +50,13 @@ class ToolCall:
     id: str
     name: str
     arguments: str
+
+
+def malformed(call: ToolCall, fault: MalformedToolCallFault) -> ToolCall:
+    """`call` with the flaw the fault gives it."""
+    if fault.flaw == "name":
+        return replace(call, name=call.name + "_undeclared")
+    return replace(call, arguments=call.arguments[:-1])
 
 
 class PieceKind(Enum):

@@ -17,7 +17,15 @@ from typing import Any
 
 from aiohttp import web
 
-from rolegate_sim.answer import NO_TOOLS, RichAnswer, ToolCall, ToolChoice, compose, select_calls
+from rolegate_sim.answer import (
+    NO_TOOLS,
+    RichAnswer,
+    ToolCall,
+    ToolChoice,
+    compose,
+    malformed,
+    select_calls,
+)
 from rolegate_sim.completion import Plan, send_completion, send_stream
 from rolegate_sim.faults import FaultDecision, decide, request_rng
 from rolegate_sim.pacing import Pacer
@@ -34,6 +42,7 @@ from rolegate_sim.scenario import (
     Fault,
     KeepAliveCommentsFault,
     LateFirstTokenFault,
+    MalformedToolCallFault,
     MojibakeFault,
     NoResponseFault,
     NoUsageFault,
@@ -249,6 +258,9 @@ async def _serve(
     prefilled = chat.messages[-1].get("role") == "assistant"
     if isinstance(fault, RefusePrefillFault) and not prefilled:
         fault = None  # it refuses prefills only
+    calls = select_calls(model.spec.tool_calls, chat.tools)
+    if isinstance(fault, MalformedToolCallFault) and not calls:
+        fault = None  # nothing to break
     record.machine = machine.name
     record.machine_request = routed.number
     record.fault = None if fault is None else fault.kind
@@ -283,7 +295,6 @@ async def _serve(
         close_connection(request)
         await await_cancellation()
 
-    calls = select_calls(model.spec.tool_calls, chat.tools)
     plan = _plan(state, model, routed, chat, record, fault, calls)
     if chat.stream:
         return await send_stream(request, plan, record)
@@ -308,6 +319,8 @@ def _plan(
         ToolCall(call.id or f"call_{i}_{gen_id[4:12]}", call.name, call.arguments)
         for i, call in enumerate(calls)
     )
+    if isinstance(fault, MalformedToolCallFault):
+        tool_calls = (malformed(tool_calls[0], fault), *tool_calls[1:])
     tokens: tuple[str, ...] = model.tokens
     token_json: tuple[bytes, ...] | None = model.token_json
     reasoning: tuple[str, ...] = model.reasoning_tokens

@@ -231,6 +231,16 @@ class NoUsageFault(_FaultBase):
     kind: Literal["noUsage"]
 
 
+class MalformedToolCallFault(_FaultBase):
+    """The answer's first tool call goes out broken. `arguments`: its arguments lose their
+    last character (a JSON object that never closes); `name`: it calls `<name>_undeclared`,
+    a function the request never declared. An answer without tool calls is served as if the
+    fault had not fired."""
+
+    kind: Literal["malformedToolCall"]
+    flaw: Literal["arguments", "name"] = "arguments"
+
+
 Fault = Annotated[
     RateLimitFault
     | ServerErrorFault
@@ -252,7 +262,8 @@ Fault = Annotated[
     | MalformedEventFault
     | KeepAliveCommentsFault
     | RefusePrefillFault
-    | NoUsageFault,
+    | NoUsageFault
+    | MalformedToolCallFault,
     Field(discriminator="kind"),
 ]
 
@@ -278,6 +289,7 @@ FAULT_KINDS: tuple[str, ...] = (
     "keepAliveComments",
     "refusePrefill",
     "noUsage",
+    "malformedToolCall",
 )
 
 _FAULT_LIST: TypeAdapter[tuple[Fault, ...]] = TypeAdapter(tuple[Fault, ...])

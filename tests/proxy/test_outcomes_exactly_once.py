@@ -152,6 +152,8 @@ EXPECTED: dict[str, Plan] = {
     "refusePrefill": HARMLESS,
     # No usage chunk: the client asked for none here; when it does, rolegate counts.
     "noUsage": HARMLESS,
+    # Only an answer with tool calls is broken, and these requests declare no tools.
+    "malformedToolCall": HARMLESS,
 }
 MANGLING = {"mojibake", "replacementChar"}
 
@@ -232,8 +234,9 @@ def _fault_fired(records: list[dict[str, Any]], kind: str) -> bool:
         return any("bad" in record["skipped_down"] for record in records)
     if kind == "splitWrites":
         return any(record["split_writes"] for record in records)
-    if kind == "refusePrefill":
-        # It fires on prefilled requests only; these reached the machine all the same.
+    if kind in ("refusePrefill", "malformedToolCall"):
+        # They fire on prefilled requests, and answers with tool calls, only; these
+        # reached the machine all the same.
         return any(record["machine"] == "bad" for record in records)
     return any(record["fault"] == kind for record in records)
 

@@ -638,3 +638,63 @@ async def test_a_continuation_ends_with_the_tool_calls(
         (True, echo, (3 if echo else 0) + 10, 2),
         (True, echo, 3 if echo else 0, 0),
     ]
+
+
+# --- the malformedToolCall fault -----------------------------------------------------------
+
+
+def _malformed(flaw: str | None = None) -> dict[str, Any]:
+    fault: dict[str, Any] = {"kind": "malformedToolCall", "always": True}
+    return fault if flaw is None else {**fault, "flaw": flaw}
+
+
+@pytest.mark.parametrize("flaw", [None, "arguments"])
+async def test_malformed_arguments_lose_their_last_character(
+    start_sim: StartSim, http: aiohttp.ClientSession, flaw: str | None
+) -> None:
+    url = await _agent(start_sim, _malformed(flaw))
+    streamed = await chat(http, url, body(stream=True, tools=TOOLS))
+    first, second = streamed.tool_calls
+    assert first["arguments"] == WEATHER_ARGS[:-1] == '{"city": "Paris", "unit": "c"'
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(first["arguments"])
+    assert (first["name"], second["arguments"]) == ("get_weather", TIME_ARGS)  # the rest intact
+    assert streamed.finish_reason == "tool_calls"
+    message = (await chat(http, url, body(tools=TOOLS))).json()["choices"][0]["message"]
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == [
+        WEATHER_ARGS[:-1],
+        TIME_ARGS,
+    ]
+    assert [r["fault"] for r in await records(http, url)] == ["malformedToolCall"] * 2
+
+
+async def test_a_malformed_name_calls_an_undeclared_function(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await _agent(start_sim, _malformed("name"))
+    streamed = await chat(http, url, body(stream=True, tools=TOOLS))
+    assert [(c["name"], c["arguments"]) for c in streamed.tool_calls] == [
+        ("get_weather_undeclared", WEATHER_ARGS),
+        ("get_time", TIME_ARGS),
+    ]
+    message = (await chat(http, url, body(tools=TOOLS))).json()["choices"][0]["message"]
+    assert [c["function"]["name"] for c in message["tool_calls"]] == [
+        "get_weather_undeclared",
+        "get_time",
+    ]
+    # The first call the request gets is the one broken.
+    named = {"type": "function", "function": {"name": "get_time"}}
+    only = await chat(http, url, body(stream=True, tools=TOOLS, tool_choice=named))
+    assert [c["name"] for c in only.tool_calls] == ["get_time_undeclared"]
+
+
+async def test_a_malformed_tool_call_fault_leaves_an_answer_without_calls_alone(
+    start_sim: StartSim, http: aiohttp.ClientSession
+) -> None:
+    url = await _agent(start_sim, _malformed())
+    streamed = await chat(http, url, body(stream=True))
+    assert (streamed.text, streamed.tool_calls) == (AGENT_REPLY, [])
+    refused = await chat(http, url, body(stream=True, tools=TOOLS, tool_choice="none"))
+    assert (refused.text, refused.tool_calls) == (AGENT_REPLY, [])
+    # Served as if it had not fired, as refusePrefill is on a request without a prefill.
+    assert [r["fault"] for r in await records(http, url)] == [None, None]

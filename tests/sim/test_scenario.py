@@ -10,6 +10,7 @@ import pytest
 from rolegate_sim.scenario import (
     DEFAULT_REPLY,
     FAULT_KINDS,
+    MalformedToolCallFault,
     RateLimitFault,
     ScenarioError,
     SplitWritesFault,
@@ -205,6 +206,17 @@ def test_bad_tool_calls_are_named_with_their_path() -> None:
     assert "models[0].toolCalls: tool call id 'c' appears more than once" in _error(
         _model(toolCalls=same)
     )
+
+
+def test_a_malformed_tool_call_fault_names_its_flaws() -> None:
+    (fault,) = parse_faults([{"kind": "malformedToolCall", "always": True}], source="t")
+    assert fault.kind == "malformedToolCall"
+    assert isinstance(fault, MalformedToolCallFault)
+    assert fault.flaw == "arguments"
+    bad = [{"kind": "malformedToolCall", "always": True, "flaw": "id"}]
+    message = _error(_one_machine(faults=bad))
+    assert "models[0].machines[0].faults[0].flaw: Input should be 'arguments' or 'name'" in message
+    assert "(got 'id') (in a `malformedToolCall` fault)" in message
 
 
 def test_charset_is_null_or_utf8() -> None:
