@@ -313,14 +313,16 @@ def _plan(
     machine = routed.machine
     spec = machine.spec
     gen_id = "gen-" + secrets.token_hex(12)
-    # Ids unique to the call and the response, so that an agent's history never holds two
-    # calls of one id however many turns it takes.
-    tool_calls = tuple(
-        ToolCall(call.id or f"call_{i}_{gen_id[4:12]}", call.name, call.arguments)
-        for i, call in enumerate(calls)
-    )
-    if isinstance(fault, MalformedToolCallFault):
-        tool_calls = (malformed(tool_calls[0], fault), *tool_calls[1:])
+    tool_calls: tuple[ToolCall, ...] = ()
+    if calls:
+        # Ids unique to the call and the response, so that an agent's history never holds
+        # two calls of one id however many turns it takes.
+        tool_calls = tuple(
+            ToolCall(call.id or f"call_{i}_{gen_id[4:12]}", call.name, call.arguments)
+            for i, call in enumerate(calls)
+        )
+        if isinstance(fault, MalformedToolCallFault):
+            tool_calls = (malformed(tool_calls[0], fault), *tool_calls[1:])
     tokens: tuple[str, ...] = model.tokens
     token_json: tuple[bytes, ...] | None = model.token_json
     reasoning: tuple[str, ...] = model.reasoning_tokens

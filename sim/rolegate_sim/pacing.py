@@ -1,4 +1,4 @@
-"""When each token of a reply is due.
+"""When each token of a reply (each piece of an answer with reasoning or tool calls) is due.
 
 Deadlines are absolute (loop time), not a sleep per token, so scheduling overhead never
 accumulates into drift and a machine with no TTFT and no rate limit never sleeps at all.
@@ -35,7 +35,7 @@ class Pacer:
         self._due = start
 
     def next_due(self) -> float:
-        """Loop time at which the next content event (token 0, 1, ...) may be sent."""
+        """Loop time at which the next piece's event (piece 0, 1, ...) may be sent."""
         index = self._index
         self._index = index + 1
         if index == 0:
