@@ -25,7 +25,7 @@ from rolegate_operator.conditions import (
     EventNote,
     render_condition,
 )
-from rolegate_policy.signatures import FAMILY_REASONS
+from rolegate_policy.signatures import DEGRADED_REASONS
 from rolegate_policy.status import TRIPPED, ConditionStatus, PodReport, Scope, TripReason
 
 NOT_TRIPPED_REASON: Final = "NoOpenBreakers"
@@ -34,7 +34,7 @@ MAX_SUMMARY: Final = 256
 # transport families in the signature table's order of severity, then the exclusions the
 # upstream imposed itself.
 _REASON_ORDER: Final = (
-    *FAMILY_REASONS.values(),
+    *DEGRADED_REASONS,
     TripReason.AUTH_FAILURE,
     TripReason.QUOTA,
     TripReason.RATE_LIMITED,

@@ -351,6 +351,7 @@ def _compile_provider(manifest: Manifest, spec: ProviderPolicySpec) -> CompiledP
                 price_input_per_mtok=machine.price_input_per_mtok,
                 price_output_per_mtok=machine.price_output_per_mtok,
                 continues_partial_message=machine.continues_partial_message,
+                echoes_partial_message=machine.echoes_partial_message,
             )
             for machine in model.machines
         ]

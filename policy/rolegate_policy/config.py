@@ -42,11 +42,18 @@ class CompiledMachine(Frozen):
     price_input_per_mtok: float | None = None
     price_output_per_mtok: float | None = None
     continues_partial_message: bool = False
+    echoes_partial_message: bool = False
 
 
 class CompiledModel(Frozen):
     name: str
     machines: tuple[CompiledMachine, ...]
+
+    def machine(self, name: str) -> CompiledMachine | None:
+        for machine in self.machines:
+            if machine.name == name:
+                return machine
+        return None
 
 
 class CompiledProvider(Frozen):

@@ -452,6 +452,15 @@ class MachineSpec(SpecModel):
             "moved here mid-answer."
         ),
     )
+    echoes_partial_message: bool = Field(
+        default=False,
+        description=(
+            "Whether this machine, continuing a partial assistant message, first repeats "
+            "that message (llama.cpp's llama-server does): the repetition is then dropped, "
+            "so the client gets each byte once. Only a machine declared so is trimmed: an "
+            "answer may legitimately repeat itself."
+        ),
+    )
 
 
 class ProviderModelSpec(SpecModel):
@@ -661,6 +670,13 @@ class DegradedOutputSpec(SpecModel):
         description=(
             "Treat mangled text (double-encoded UTF-8, U+FFFD) in an answer to a pure "
             "ASCII prompt as a fault."
+        ),
+    )
+    detect_malformed_tool_calls: bool = Field(
+        default=True,
+        description=(
+            "Treat a tool call whose arguments are not JSON, or that calls a tool the "
+            "request did not declare, as a fault."
         ),
     )
 

@@ -45,6 +45,8 @@ class Signature(StrEnum):
     DOUBLE_ENCODED_UTF8 = "double_encoded_utf8"
     REPLACEMENT_CHARACTER = "replacement_character"
     NON_ASCII_NOT_IN_PROMPT = "non_ascii_not_in_prompt"
+    TOOL_ARGUMENTS_NOT_JSON = "tool_arguments_not_json"
+    UNDECLARED_TOOL = "undeclared_tool"
 
 
 def _detect_empty(degraded: DegradedOutputSpec) -> bool:
@@ -53,6 +55,10 @@ def _detect_empty(degraded: DegradedOutputSpec) -> bool:
 
 def _detect_mangled(degraded: DegradedOutputSpec) -> bool:
     return degraded.detect_mangled
+
+
+def _detect_malformed_tool_calls(degraded: DegradedOutputSpec) -> bool:
+    return degraded.detect_malformed_tool_calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +115,34 @@ RULES: Final[Mapping[Signature, SignatureRule]] = MappingProxyType(
             _detect_mangled,
             "non-ASCII characters in an answer to an ASCII prompt (low confidence)",
         ),
+        # A broken tool call is the model's, like an empty answer: it is counted on the
+        # (provider, model) key with the other content faults, under its own reason.
+        Signature.TOOL_ARGUMENTS_NOT_JSON: SignatureRule(
+            Family.CONTENT,
+            Scope.MODEL,
+            TripReason.MALFORMED_TOOL_CALLS,
+            True,
+            _detect_malformed_tool_calls,
+            "tool calls whose arguments are not JSON",
+        ),
+        Signature.UNDECLARED_TOOL: SignatureRule(
+            Family.CONTENT,
+            Scope.MODEL,
+            TripReason.MALFORMED_TOOL_CALLS,
+            True,
+            _detect_malformed_tool_calls,
+            "calls to a tool the request did not declare",
+        ),
     }
 )
+# Each rule by its signature's value, as a breaker sample carries it.
+RULES_BY_VALUE: Final[Mapping[str, SignatureRule]] = MappingProxyType(
+    {signature.value: rule for signature, rule in RULES.items()}
+)
 
-# The reason each family trips with, most severe first: a provider-wide encoding fault
-# before a model's empty answers before upstream errors. The operator reports reasons in
-# this order (then the hard exclusions').
+# The reason each family trips with when no signature says otherwise (a fault rate over
+# mixed signatures), most severe first: a provider-wide encoding fault before a model's
+# empty answers before upstream errors.
 FAMILY_REASONS: Final[Mapping[Family, TripReason]] = MappingProxyType(
     {
         Family.ENCODING: TripReason.MANGLED_OUTPUT,
@@ -122,3 +150,19 @@ FAMILY_REASONS: Final[Mapping[Family, TripReason]] = MappingProxyType(
         Family.TRANSPORT: TripReason.UPSTREAM_ERRORS,
     }
 )
+
+# Every reason a degraded signature or a family trips with, most severe first: the order
+# the operator reports reasons in (then the hard exclusions').
+DEGRADED_REASONS: Final = (
+    TripReason.MANGLED_OUTPUT,
+    TripReason.EMPTY_RESPONSES,
+    TripReason.MALFORMED_TOOL_CALLS,
+    TripReason.UPSTREAM_ERRORS,
+)
+
+
+def reason_of(family: Family, signature: str | None) -> TripReason:
+    """The reason a fault trips with: its signature's own when it is a degraded-output
+    signature (a broken tool call is not an empty answer), else its family's."""
+    rule = None if signature is None else RULES_BY_VALUE.get(signature)
+    return FAMILY_REASONS[family] if rule is None else rule.reason

@@ -223,6 +223,7 @@ class BreakerPhase(StrEnum):
 class TripReason(StrEnum):
     EMPTY_RESPONSES = "EmptyResponses"
     MANGLED_OUTPUT = "MangledOutput"
+    MALFORMED_TOOL_CALLS = "MalformedToolCalls"
     UPSTREAM_ERRORS = "UpstreamErrors"
     RATE_LIMITED = "RateLimited"
     AUTH_FAILURE = "AuthFailure"
@@ -257,7 +258,7 @@ class BreakerReport(StatusModel):
     reason: TripReason = Field(
         description=(
             "Why it tripped, as one CamelCase word: `EmptyResponses`, `MangledOutput`, "
-            "`UpstreamErrors`, `RateLimited`, `AuthFailure` or `Quota`."
+            "`MalformedToolCalls`, `UpstreamErrors`, `RateLimited`, `AuthFailure` or `Quota`."
         ),
     )
     since: datetime = Field(description="When the breaker tripped.")

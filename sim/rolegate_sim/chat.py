@@ -215,14 +215,19 @@ class _Routed:
 
 
 def _route(
-    state: SimState, model: ModelState, prefs: ProviderPreferences, record: RequestRecord
+    state: SimState,
+    model: ModelState,
+    prefs: ProviderPreferences,
+    record: RequestRecord,
+    *,
+    prefilled: bool,
 ) -> _Routed | None:
     seed = state.scenario.seed
     for name in preference_list(model.machine_names, prefs):
         machine = model.machines[name]
         number = machine.next_request_number()
         rng = request_rng(seed, model.name, name, number) if machine.uses_rng else None
-        decision = decide(machine.faults, number, rng, machine.faults_age())
+        decision = decide(machine.faults, number, rng, machine.faults_age(), prefilled=prefilled)
         if decision.down:
             record.skipped_down.append(name)
             continue
@@ -248,14 +253,14 @@ async def _serve(
         message = f"model {chat.model!r} does not exist on this simulator (it serves: {known})"
         return await _error(request, state, record, 404, message, "not_found_error")
 
-    routed = _route(state, model, chat.preferences or NO_PREFERENCES, record)
+    prefilled = chat.messages[-1].get("role") == "assistant"
+    routed = _route(state, model, chat.preferences or NO_PREFERENCES, record, prefilled=prefilled)
     if routed is None:
         message = f"No endpoints found for {chat.model} matching your provider preferences"
         return await _error(request, state, record, 404, message, "not_found_error")
 
     machine, decision = routed.machine, routed.decision
     fault, split = decision.fault, decision.split
-    prefilled = chat.messages[-1].get("role") == "assistant"
     if isinstance(fault, RefusePrefillFault) and not prefilled:
         fault = None  # it refuses prefills only
     calls = select_calls(model.spec.tool_calls, chat.tools)

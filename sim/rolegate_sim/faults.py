@@ -42,10 +42,17 @@ def needs_rng(faults: Sequence[Fault]) -> bool:
 
 
 def decide(
-    faults: Sequence[Fault], number: int, rng: random.Random | None, elapsed: float = 0.0
+    faults: Sequence[Fault],
+    number: int,
+    rng: random.Random | None,
+    elapsed: float = 0.0,
+    *,
+    prefilled: bool = False,
 ) -> FaultDecision:
     """Evaluate triggers in scenario order; `rng` is required iff `needs_rng(faults)`;
-    `elapsed` is the seconds since the machine's faults were set (`duringSeconds`)."""
+    `elapsed` is the seconds since the machine's faults were set (`duringSeconds`);
+    `prefilled`: the request continues a prefilled assistant message (a fault's
+    `requests`)."""
     if not faults:
         return NO_FAULT
     chosen: Fault | None = None
@@ -53,6 +60,8 @@ def decide(
     for fault in faults:
         is_split = isinstance(fault, SplitWritesFault)
         if (split if is_split else chosen) is not None:
+            continue
+        if fault.requests != "all" and (fault.requests == "continuations") != prefilled:
             continue
         if not _fires(fault, number, rng, elapsed):
             continue

@@ -63,6 +63,9 @@ class _FaultBase(_Frozen):
     during_seconds: tuple[Annotated[float, Field(ge=0)], Annotated[float, Field(gt=0)]] | None = (
         None
     )
+    # Which requests it may hit: any, only fresh ones, or only those that continue a
+    # prefilled assistant message (a machine that breaks first answers but not rescues).
+    requests: Literal["all", "fresh", "continuations"] = "all"
 
     @model_validator(mode="after")
     def _exactly_one_trigger(self) -> Self:

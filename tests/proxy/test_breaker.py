@@ -46,6 +46,7 @@ from rolegate_proxy.core.exclusions import (
     is_request_fault,
     parse_retry_after,
 )
+from rolegate_proxy.core.tool_calls import DeclaredTools, ToolCall
 from rolegate_proxy.core.verdicts import ASCII_PROMPT, PromptProfile, Verdict, judge, profile_texts
 
 # The schedule these tests are written against (the defaults are shorter: see
@@ -80,16 +81,21 @@ def make(
     )
 
 
+SOUND_CALL = ToolCall("call_1", "read_file", '{"path": "a.txt"}')
+DECLARED = DeclaredTools(frozenset({"read_file"}))
+
+
 def verdict(
     text: str | None, prompt: PromptProfile = ASCII_PROMPT, *, tool_calls: bool = False
 ) -> Verdict:
     return judge(
         text,
         finish_reason="stop",
-        has_tool_calls=tool_calls,
         status=200,
         prompt=prompt,
         client_capped=False,
+        tool_calls=(SOUND_CALL,) if tool_calls else (),
+        declared=DECLARED,
     )
 
 
@@ -963,6 +969,7 @@ def test_verdicts_and_breakers_expose_and_import_no_score() -> None:
             "rolegate_policy.status",
             ".evidence",
             ".exclusions",
+            ".tool_calls",
             ".verdicts",
         }, module.__name__
     for cls in (Breakers, Attempted, Verdict, Exclusion, BreakerView, Transition, Admission):

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rolegate_proxy.wire import openai
-from rolegate_proxy.wire.answers import Chunk
+from rolegate_proxy.wire.answers import NO_PIECES, Chunk
 from rolegate_proxy.wire.sse import MalformedEvent, decode_event_json
 
 HEAD = (
@@ -47,8 +47,9 @@ def _agrees(got: Chunk | str | None, whole: Chunk | None) -> bool:
     # Text alone stands for a plain content delta with that text (its names aside: the
     # chunk learned from, read whole before it, named them).
     return whole is not None and whole == Chunk(
-        got, True, True, False, None, None, None, False, whole.model, whole.machine, None
-    )
+        got, True, True, NO_PIECES, "", "", 1, None, None, None, False, whole.model,
+        whole.machine, None,
+    )  # fmt: skip
 
 
 def test_the_content_deltas_after_the_first_come_back_as_their_text() -> None:
@@ -74,6 +75,9 @@ def test_the_content_deltas_after_the_first_come_back_as_their_text() -> None:
         HEAD + b'"a"}, "finish_reason":"stop"}]}',
         HEAD + b'"a"' + TAIL[:-1] + b',"usage":{"prompt_tokens":3,"completion_tokens":4}}',
         HEAD + b'"a","tool_calls":[{"id":"t"}]' + TAIL,
+        HEAD + b'"a","reasoning_content":"thinking"' + TAIL,
+        HEAD + b'"a","reasoning":"thinking"' + TAIL,
+        HEAD + b'"a","refusal":"no"' + TAIL,
         HEAD + b'"a"' + TAIL[:-1] + b',"error":{"code":"server_error"}}',
         # Not one JSON string where the text was.
         HEAD + b"1" + TAIL,
@@ -112,6 +116,31 @@ def test_a_text_whose_place_is_in_doubt_is_never_read_alone(head: bytes, tail: b
         got = reader.read(data)
         assert not isinstance(got, str)
         assert got == _whole(data, named=False)
+
+
+@pytest.mark.parametrize(
+    "beside",
+    [b'"reasoning_content":"why"', b'"reasoning":"why"', b'"refusal":"no"',
+     b'"tool_calls":[{"index":0,"function":{"arguments":"{"}}]'],
+)  # fmt: skip
+def test_a_delta_with_more_than_its_text_is_never_learned_from(beside: bytes) -> None:
+    """Learned from, its shape would read the same reasoning (or refusal, or tool call)
+    again in every later event as text alone: that output would be lost."""
+    head = HEAD.replace(b'"delta":{', b'"delta":{' + beside + b",")
+    reader = openai.ChunkReader(named=True)
+    for text in ["a", "b", "c"]:
+        data = _event(text, head)
+        got = reader.read(data)
+        assert isinstance(got, Chunk)
+        assert got == _whole(data)
+        assert got.outputs == 2
+
+
+def test_a_delta_with_empty_fields_beside_its_text_is_learned_from() -> None:
+    head = HEAD.replace(b'"delta":{', b'"delta":{"role":"assistant","reasoning_content":null,')
+    reader = openai.ChunkReader(named=True)
+    reader.read(_event("a", head))
+    assert reader.read(_event("b", head)) == "b"
 
 
 def test_a_stream_whose_bytes_change_around_the_text_is_read_whole() -> None:

@@ -51,18 +51,41 @@ EXPECTED: dict[tuple[str, bool, bool], Cell] = {
     ("replacementChar", True, True): Cell(served=True, verdict="mangled", trips=True),
     ("replacementChar", False, False): Cell(served=True, verdict="mangled", trips=False),
     ("replacementChar", True, False): Cell(served=True, verdict="mangled", trips=False),
+    # A broken tool call is held until judged, streamed or not: caught before any byte.
+    ("brokenArguments", False, True): CAUGHT,
+    ("brokenArguments", True, True): CAUGHT,
+    ("brokenArguments", False, False): Cell(served=True, verdict="malformed", trips=False),
+    ("brokenArguments", True, False): Cell(served=True, verdict="malformed", trips=False),
+    ("undeclaredTool", False, True): CAUGHT,
+    ("undeclaredTool", True, True): CAUGHT,
+    ("undeclaredTool", False, False): Cell(served=True, verdict="malformed", trips=False),
+    ("undeclaredTool", True, False): Cell(served=True, verdict="malformed", trips=False),
 }
 SIGNATURE_OF = {
     "empty": Signature.EMPTY_RESPONSE,
     "mojibake": Signature.DOUBLE_ENCODED_UTF8,
     "replacementChar": Signature.REPLACEMENT_CHARACTER,
+    "brokenArguments": Signature.TOOL_ARGUMENTS_NOT_JSON,
+    "undeclaredTool": Signature.UNDECLARED_TOOL,
 }
-# What a trip takes out, and why: an empty answer is the model's, mangling the provider's.
+# What a trip takes out, and why: an empty answer or a broken call is the model's,
+# mangling the provider's.
 TRIP_OF = {
     "empty": ("Model", "EmptyResponses"),
     "mojibake": ("Provider", "MangledOutput"),
     "replacementChar": ("Provider", "MangledOutput"),
+    "brokenArguments": ("Model", "MalformedToolCalls"),
+    "undeclaredTool": ("Model", "MalformedToolCalls"),
 }
+# The simulator's fault for each row, and the tool calls its answers make (declared by
+# the requests that meet them): a call alone, so nothing of it reaches a client before
+# it is judged.
+SIM_FAULT = {
+    "brokenArguments": {"kind": "malformedToolCall", "flaw": "arguments"},
+    "undeclaredTool": {"kind": "malformedToolCall", "flaw": "name"},
+}
+TOOL_CALL = {"name": "open_hours", "arguments": '{"day": "monday"}'}
+TOOLS: Any = [{"type": "function", "function": {"name": "open_hours", "parameters": {}}}]
 
 
 def test_every_acting_signature_has_a_row_in_the_matrix() -> None:
@@ -70,17 +93,17 @@ def test_every_acting_signature_has_a_row_in_the_matrix() -> None:
     assert acting == set(SIGNATURE_OF.values())
 
 
-async def _ask(url: str, stream: bool) -> bool:
+async def _ask(url: str, stream: bool, **extra: Any) -> bool:
     """One request; whether the client got an answer (else rolegate's 502)."""
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as client:
         try:
             if stream:
                 chunks = await client.chat.completions.create(
-                    model="agent", messages=PROMPT, stream=True
+                    model="agent", messages=PROMPT, stream=True, **extra
                 )
                 _ = [chunk async for chunk in chunks]
             else:
-                await client.chat.completions.create(model="agent", messages=PROMPT)
+                await client.chat.completions.create(model="agent", messages=PROMPT, **extra)
         except openai.APIStatusError as error:
             return error.status_code != 502
     return True
@@ -98,11 +121,18 @@ async def _tripped(url: str) -> set[tuple[str, str | None]]:
 async def test_a_signature_does_what_its_row_says_streamed_or_not(
     sim_server: SimFactory, proxy_server: ProxyFactory, fault: str, stream: bool, toggle: bool
 ) -> None:
+    calls = fault in SIM_FAULT
     sim = await sim_server(
-        {"seed": 1, "models": [{"name": MODEL, "reply": REPLY, "machines": [
-            {"name": "m1", "faults": [{"kind": fault, "always": True}]}]}]}
+        {"seed": 1, "models": [{
+            "name": MODEL, "reply": "" if calls else REPLY,
+            "toolCalls": [TOOL_CALL] if calls else [],
+            "machines": [{"name": "m1", "faults": [
+                {**SIM_FAULT.get(fault, {"kind": fault}), "always": True}]}],
+        }]}
     )  # fmt: skip
-    degraded = {"detectEmpty": toggle, "detectMangled": toggle}
+    degraded = {
+        "detectEmpty": toggle, "detectMangled": toggle, "detectMalformedToolCalls": toggle
+    }  # fmt: skip
     proxy = await proxy_server(
         [
             provider_policy(
@@ -113,7 +143,8 @@ async def test_a_signature_does_what_its_row_says_streamed_or_not(
         ]
     )  # fmt: skip
     expected = EXPECTED[fault, stream, toggle]
-    served = [await _ask(proxy.url, stream) for _ in range(2)]
+    extra = {"tools": TOOLS} if calls else {}
+    served = [await _ask(proxy.url, stream, **extra) for _ in range(2)]
     assert served == [expected.served] * 2
 
     records = await outcomes(proxy, 2)
@@ -122,5 +153,7 @@ async def test_a_signature_does_what_its_row_says_streamed_or_not(
             assert (record.outcome.value, record.verdict) == ("answered", expected.verdict)
         else:
             assert record.outcome.value == "failed"
-            assert record.arms[-1].result.value in ("empty_success", "degraded")
+            assert record.arms[-1].result.value in (
+                "empty_success", "degraded", "malformed_tool_call"
+            )  # fmt: skip
     assert await _tripped(proxy.url) == ({TRIP_OF[fault]} if expected.trips else set())

@@ -20,6 +20,7 @@ from rolegate_policy.enums import (
     Visibility,
 )
 from rolegate_policy.signatures import Signature
+from rolegate_proxy.core.tool_calls import DeclaredTools, ToolCall
 from rolegate_proxy.core.verdicts import (
     ASCII_PROMPT,
     DOUBLE_ENCODED,
@@ -47,6 +48,10 @@ def text(hex_bytes: str) -> str:
     return bytes.fromhex(hex_bytes).decode("utf-8", errors="strict")
 
 
+SOUND_CALL = ToolCall("call_1", "read_file", '{"path": "a.txt"}')
+DECLARED = DeclaredTools(frozenset({"read_file"}))
+
+
 def verdict_of(
     answer: str | None,
     prompt: PromptProfile = ASCII_PROMPT,
@@ -59,10 +64,11 @@ def verdict_of(
     return judge(
         answer,
         finish_reason=finish_reason,
-        has_tool_calls=has_tool_calls,
         status=status,
         prompt=prompt,
         client_capped=client_capped,
+        tool_calls=(SOUND_CALL,) if has_tool_calls else (),
+        declared=DECLARED,
     )
 
 
@@ -498,10 +504,11 @@ def test_only_an_empty_answer_or_mangling_after_an_ascii_prompt_is_attributable(
     verdict = judge(
         answer,
         finish_reason=finish_reason,
-        has_tool_calls=has_tool_calls,
         status=status,
         prompt=prompt,
         client_capped=client_capped,
+        tool_calls=(SOUND_CALL,) if has_tool_calls else (),
+        declared=DECLARED,
     )
     if verdict.attributable:
         assert 200 <= status < 300

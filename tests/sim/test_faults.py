@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import time
@@ -730,3 +731,28 @@ async def test_a_stall_then_close_drops_the_connection_after_the_silence(
     assert time.monotonic() - started >= 0.3 - EARLY
     record = await finished_record(http, url)
     assert (record["outcome"], record["tokens_sent"]) == ("cut", 2 if stream else 0)
+
+
+@pytest.mark.parametrize(
+    ("requests", "fresh_cut", "continuation_cut"),
+    [("all", True, True), ("fresh", True, False), ("continuations", False, True)],
+)
+async def test_a_fault_hits_only_the_requests_it_names(
+    start_sim: StartSim,
+    http: aiohttp.ClientSession,
+    requests: str,
+    fresh_cut: bool,
+    continuation_cut: bool,
+) -> None:
+    fault = always("cut", afterTokens=2, requests=requests)
+    sim = await start_sim(scenario(machine("a", fault, continuesPartialMessage=True)))
+    prefill: Any = {"role": "assistant", "content": "one "}
+    for messages, cut in ((USER, fresh_cut), ([*USER, prefill], continuation_cut)):
+        lines: list[bytes] = []
+        payload = body(messages=messages, stream=True)
+        async with http.post(f"{sim.url}/v1/chat/completions", json=payload) as response:
+            with contextlib.suppress(aiohttp.ClientPayloadError):
+                await _read_lines(response, lines)
+        assert (b"[DONE]" not in b"".join(lines)) == cut
+        record = await finished_record(http, sim.url)
+        assert record["outcome"] == ("cut" if cut else "completed")

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final, NamedTuple
 
+from rolegate_policy.signatures import Signature
+
 from .beliefs import NO_GAPS, GapStats, MachineBelief, Sighting
 from .breaker import Attempted, TransportFault
 from .outcomes import Arm, ArmAct, ArmResult
@@ -93,6 +95,7 @@ _TRANSPORT_OF: Final = {
     Cause.STALL: TransportFault.TIMEOUT,
     Cause.IN_BAND_ERROR: TransportFault.STREAM_ERROR,
 }
+_TOOL_CALL_FAULTS: Final = frozenset({Signature.TOOL_ARGUMENTS_NOT_JSON, Signature.UNDECLARED_TOOL})
 # A non-streamed answer shows only its total time. It is split between a first token and
 # the gaps in proportion to what the machine is believed to do, or, with no belief yet, to
 # this reference shape (a second to the first token, then 50 tokens a second).
@@ -280,8 +283,12 @@ def arm_result(end: ArmEnd, patience: float) -> ArmResult:
             return ArmResult.LENGTH_CAPPED
         return ArmResult.LATE if end.seconds > patience else ArmResult.OK
     if end.cause is Cause.DEGRADED:
-        empty = end.verdict is not None and end.verdict.kind is VerdictKind.MALFORMED
-        return ArmResult.EMPTY_SUCCESS if empty else ArmResult.DEGRADED
+        verdict = end.verdict
+        if verdict is None or verdict.kind is not VerdictKind.MALFORMED:
+            return ArmResult.DEGRADED
+        if verdict.signature in _TOOL_CALL_FAULTS:
+            return ArmResult.MALFORMED_TOOL_CALL
+        return ArmResult.EMPTY_SUCCESS
     if end.cause is Cause.HTTP_ERROR:
         if end.status == 429:
             return ArmResult.RATE_LIMITED

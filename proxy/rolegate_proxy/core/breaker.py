@@ -35,7 +35,7 @@ from rolegate_policy.model import (
     BreakerSpec,
     DegradedOutputSpec,
 )
-from rolegate_policy.signatures import FAMILY_REASONS, Family, SignatureRule
+from rolegate_policy.signatures import Family, SignatureRule, reason_of
 from rolegate_policy.status import BreakerPhase, Scope, TripReason
 
 from .evidence import CallBuckets, RateWindow, SignatureHistory
@@ -456,7 +456,7 @@ class Breakers:
                 fault = faults.get(key)
                 if fault is not None:
                     detail = f"the re-probe failed: {fault.signature}"
-                    reason = FAMILY_REASONS[fault.family]
+                    reason = reason_of(fault.family, fault.signature)
                     transitions.append(
                         self._trip(entry, reason, Trigger.PROBE, detail, now, settings)
                     )
@@ -532,11 +532,11 @@ class Breakers:
                 f"{faults} of the last {count} {noun} {faulty}{where} "
                 f"({faults / count:.0%}), above {settings.rate_threshold:.0%}"
             )
-            reason = FAMILY_REASONS[sample.family]
+            reason = reason_of(sample.family, sample.signature)
             return self._trip(entry, reason, Trigger.RATE, detail, now, settings)
         if sample.signature is None:
             return None
-        reason = FAMILY_REASONS[sample.family]
+        reason = reason_of(sample.family, sample.signature)
         # The count arms, on a fault: novelty against the baseline, then a count in the burst.
         start = max(now - self._burst, evidence.counted_from)
         history = entry.signatures[sample.signature]

@@ -62,6 +62,8 @@ class ArmResult(StrEnum):
     BROKEN_STREAM = "broken_stream"
     LENGTH_CAPPED = "length_capped"
     EMPTY_SUCCESS = "empty_success"
+    # Tool calls the model broke: arguments that are not JSON, a tool never declared.
+    MALFORMED_TOOL_CALL = "malformed_tool_call"
     # A structural verdict (mangled encoding, ...): the breaker's business, not the score's.
     DEGRADED = "degraded"
     # The upstream refused the request itself (context length, content filter, a 400).

@@ -5,14 +5,14 @@ Two scores, never blended:
 
 * **Operational** is only what the hot path sees of an attempt: its status, a refused or
   reset connection, a rate limit, an answer that would not parse, a broken stream, output
-  cut at the length cap, an empty success, and how long it took. Each attempt is one
-  observation, valued by `observation_value`:
+  cut at the length cap, an empty success, broken tool calls, and how long it took. Each
+  attempt is one observation, valued by `observation_value`:
 
   * `ok`: 1;
   * `late` (a usable answer, but after the role's patience): patience / elapsed, clamped
     to [0, 1];
   * `server_error`, `refused`, `timeout`, `rate_limited`, `parse_failure`,
-    `broken_stream`, `length_capped`, `empty_success`: 0.
+    `broken_stream`, `length_capped`, `empty_success`, `malformed_tool_call`: 0.
 
   So the operational score is a rate of usable answers in [0, 1], where a late answer
   counts for part of one: twice as late is worth half, never nothing (it was usable).
@@ -76,6 +76,8 @@ class ObservationKind(StrEnum):
     LENGTH_CAPPED = "length_capped"
     # A success with nothing in it.
     EMPTY_SUCCESS = "empty_success"
+    # A success whose tool calls were broken (arguments not JSON, a tool never declared).
+    MALFORMED_TOOL_CALL = "malformed_tool_call"
 
 
 def observation_value(

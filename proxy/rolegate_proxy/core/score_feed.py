@@ -33,6 +33,7 @@ OBSERVED: Final[Mapping[ArmResult, ObservationKind]] = MappingProxyType(
         ArmResult.BROKEN_STREAM: ObservationKind.BROKEN_STREAM,
         ArmResult.LENGTH_CAPPED: ObservationKind.LENGTH_CAPPED,
         ArmResult.EMPTY_SUCCESS: ObservationKind.EMPTY_SUCCESS,
+        ArmResult.MALFORMED_TOOL_CALL: ObservationKind.MALFORMED_TOOL_CALL,
     }
 )
 

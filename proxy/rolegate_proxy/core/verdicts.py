@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import re
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
 from rolegate_policy.model import DegradedOutputSpec
 from rolegate_policy.signatures import RULES, Signature, SignatureRule
+
+from .tool_calls import NO_TOOLS, DeclaredTools, ToolCall, tool_call_fault
 
 # --- verdicts -------------------------------------------------------------------------------
 
@@ -91,6 +93,25 @@ EMPTY: Final = Verdict(
     detail="empty response",
 )
 TOOL_CALLS: Final = Verdict(VerdictKind.UNVERIFIABLE, detail="tool calls")
+TOOL_CALLS_CUT: Final = Verdict(
+    VerdictKind.UNVERIFIABLE, detail="tool calls cut short by the upstream's length limit"
+)
+REFUSAL: Final = Verdict(VerdictKind.UNVERIFIABLE, detail="refusal")
+# A broken tool call is the model's fault, and steers like an empty answer (SPEC A2).
+_TOOL_FAULTS: Final = {
+    Signature.TOOL_ARGUMENTS_NOT_JSON: Verdict(
+        VerdictKind.MALFORMED,
+        attributable=True,
+        signature=Signature.TOOL_ARGUMENTS_NOT_JSON,
+        detail="tool-call arguments that are not JSON",
+    ),
+    Signature.UNDECLARED_TOOL: Verdict(
+        VerdictKind.MALFORMED,
+        attributable=True,
+        signature=Signature.UNDECLARED_TOOL,
+        detail="a call to a tool the request did not declare",
+    ),
+}
 CLIENT_CAPPED: Final = Verdict(
     VerdictKind.UNVERIFIABLE, detail="length-capped by the client's max_tokens"
 )
@@ -236,21 +257,31 @@ def judge(
     text: str | None,
     *,
     finish_reason: str | None,
-    has_tool_calls: bool,
     status: int,
     prompt: PromptProfile,
     client_capped: bool,
+    tool_calls: Sequence[ToolCall] = (),
+    declared: DeclaredTools = NO_TOOLS,
+    refusal: bool = False,
 ) -> Verdict:
     """The structural verdict on one answer (SPEC A2, A3).
 
     `text` is the answer's content as decoded (None when absent), `status` the upstream's
     HTTP status, `prompt` the request's charset profile and `client_capped` whether the
-    client set its own `max_tokens`. One scan of the text at most.
+    client set its own `max_tokens`; `tool_calls` the answer's calls, `declared` the tools
+    the request declared, `refusal` whether the model refused (OpenAI's `refusal`). One
+    scan of the text at most.
     """
     if not 200 <= status < 300:
         return Verdict(VerdictKind.UNVERIFIABLE, detail=f"HTTP {status} is not an answer")
-    if has_tool_calls:
-        return TOOL_CALLS
+    if tool_calls:
+        if finish_reason == "length":
+            # Arguments cut short by a length limit are the limit's doing, not the model's.
+            return CLIENT_CAPPED if client_capped else TOOL_CALLS_CUT
+        fault = tool_call_fault(tool_calls, declared)
+        return TOOL_CALLS if fault is None else _TOOL_FAULTS[fault]
+    if refusal:
+        return REFUSAL
     if finish_reason == "content_filter":
         return CONTENT_FILTERED
     if finish_reason == "length" and client_capped:

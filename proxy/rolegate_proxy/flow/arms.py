@@ -9,7 +9,7 @@ the recorder.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,6 +21,7 @@ from ..core.beliefs import NO_GAPS
 from ..core.exclusions import parse_retry_after
 from ..core.outcomes import ArmAct
 from ..core.routing import Attempt
+from ..core.tool_calls import ToolCall
 from ..core.verdicts import Verdict, judge
 from ..core.watch import Watch
 from ..wire.answers import Completion, NotTheProtocol, UpstreamError
@@ -171,15 +172,25 @@ async def complete(upstreams: Upstreams, run: ArmRun, chat: ChatRequest, *, fres
     return Reply(raw, parsed)
 
 
-def verdict_on(chat: ChatRequest, text: str, finish: str | None, tool_calls: bool) -> Verdict:
-    """The structural verdict on an answer (SPEC A2, A3)."""
+def verdict_on(
+    chat: ChatRequest,
+    text: str,
+    finish: str | None,
+    *,
+    tool_calls: Sequence[ToolCall] = (),
+    refusal: bool = False,
+) -> Verdict:
+    """The structural verdict on an answer (SPEC A2, A3): its text, and its tool calls
+    against the tools the request declared."""
     return judge(
         text,
         finish_reason=finish,
-        has_tool_calls=tool_calls,
         status=200,
         prompt=chat.prompt,
         client_capped=chat.client_capped(finish),
+        tool_calls=tool_calls,
+        declared=chat.tools,
+        refusal=refusal,
     )
 
 

@@ -1,20 +1,26 @@
-"""Delivering a streamed answer once its first content reached the client (SPEC B5, B6,
-E4, E5): the relay, moving a stream far slower than the best alternative, and rescuing one
-that broke.
+"""Delivering a streamed answer once its first output reached the client (SPEC B5, B6,
+E4, E5, E7): the relay, moving a stream far slower than the best alternative, and rescuing
+one that broke.
 
 After content reached the client, two things can hand the answer to another machine, and
 both splice its continuation into the same client stream: the machine is sent the request
-plus the text already delivered as a partial assistant message, and what it writes
-follows what the client has, nothing repeated, nothing lost.
+plus the text already delivered as a partial assistant message (its token limits less what
+was delivered), and what it writes follows what the client has, nothing repeated (an echo
+of the prefill is dropped), nothing lost, stop sequences kept across the seam.
 
 * A rate act (the stream fell decisively behind, or went silent) moves it to the act's
   alternative when that one continues partial messages; otherwise the slow stream is kept
   (never cut for slowness alone) and the act counted as kept.
-* A break (cut, in-band error, stall) is rescued by the first admissible machine that
-  continues partial messages: the same model's first, then the role's other models. A
-  machine that refuses the prefill (a 400) is one failed rescue, never the answer while
-  another remains. With none, the client gets an error event, never a truncated answer
-  presented as complete.
+* A break (cut, in-band error, stall, or tool calls judged broken) is rescued by the first
+  admissible machine that continues partial messages: the same model's first, then the
+  role's other models. A machine that refuses the prefill (a 400) is one failed rescue,
+  never the answer while another remains. With none, the client gets an error event, never
+  a truncated answer presented as complete.
+
+Tool calls are held until the answer is complete and judged (`ClientStream.hold_tools`):
+a break or move inside them drops what was held, and the machine that takes over writes
+its own; the client never sees a partial call, a call twice, or one made by two machines.
+A request for several answers (`n` > 1) is never spliced.
 
 The client leaving ends the serving arm as the client's doing, never the upstream's.
 """
@@ -26,11 +32,14 @@ from typing import Final
 
 from aiohttp import web
 
+from rolegate_policy.model import DegradedOutputSpec
 from rolegate_policy.status import ProtocolQuirk
 
 from ..core.arm_end import Answered, ArmEnd, Cause
 from ..core.beliefs import MachineKey
 from ..core.outcomes import ArmAct, OutcomeKind
+from ..core.splice import Splice
+from ..core.verdicts import Verdict
 from ..core.watch import Act
 from .arms import verdict_on
 from .client_stream import ClientGone, ClientStream
@@ -54,24 +63,29 @@ class Delivery:
         self.legs = 1
         # The end of a leg that broke, recorded when its rescue began.
         self.broken: ArmEnd | None = None
+        # The text the serving leg continues (its seam with what the client has); None
+        # for a leg that starts the answer. And whether its machine echoes that text.
+        self.seam: str | None = None
+        self.echoes = False
 
     async def deliver(self, client: ClientStream) -> web.StreamResponse | None:
-        """Commit the stream to the client and relay it to its end. Buffered (SPEC E5): held
-        until complete and judged; None when it failed unseen (the exchange moves on)."""
+        """Commit the stream to the client and relay it to its end. Held (a buffered role,
+        tool calls): released once complete and judged; None when it failed showing the
+        client nothing (the exchange moves on)."""
         assert self.leg.opened is not None
         try:
             await client.start(served_headers(self.leg.run, self.leg.opened.model))
-            if not client.holding:
-                self.host.decision.first_content_at = self.now()
             return await self._relay(client)
         except ClientGone:
             self._left(self.leg.run.end(Cause.CLIENT_LEFT, self.now(),
                                         "the client went away mid-stream"))  # fmt: skip
             self.host.decision.outcome = OutcomeKind.CANCELLED
+            self._shown(client)
             assert client.response is not None
             return client.response
         except asyncio.CancelledError:
             self._left(self.services.cancelled(self.leg.run, "mid-stream"))
+            self._shown(client)
             raise
 
     async def _relay(self, client: ClientStream) -> web.StreamResponse | None:
@@ -81,9 +95,18 @@ class Delivery:
                 stop = await relay.run()
                 self._kept(relay)
                 if stop.kind is StopKind.DONE:
-                    return await self._done(client, stop)
+                    verdict = self._judged(client)
+                    if not (client.holding and verdict.counts(self._degraded)):
+                        return await self._done(client, stop, verdict)
+                    # A held answer judged broken (empty, mangled, a broken tool call):
+                    # replaced like one that broke, unseen.
+                    stop = Stop(StopKind.BROKE, Cause.DEGRADED,
+                                f"answered a stream that is {verdict.kind.value}",
+                                verdict=verdict)  # fmt: skip
                 relay.close()
                 if stop.kind is StopKind.BROKE:
+                    if client.shown and self._at_limit(client):
+                        return await self._capped(client, stop)
                     rescued = await self._rescue(client, stop)
                     if rescued is None:
                         return await self._broke(client, stop)
@@ -102,7 +125,14 @@ class Delivery:
         run, opened = self.leg.run, self.leg.opened
         assert opened is not None
         assert run.watch is not None
-        return Relay(opened, client, run.watch, run.silence, self.now, may_move=may_move)
+        seam = self.seam
+        return Relay(
+            opened, client, run.watch, run.silence, self.now, may_move=may_move,
+            splice=None if seam is None else Splice(seam, self.host.chat.stops, echoes=self.echoes),
+            # Once the client has content, a continuation's thinking aloud is not spliced
+            # after it (SPEC E7).
+            drop_reasoning=bool(seam),
+        )  # fmt: skip
 
     def _kept(self, relay: Relay) -> None:
         role = self.host.chat.role.name
@@ -112,19 +142,38 @@ class Delivery:
             run.act = run.act or ArmAct.KEPT
         relay.kept.clear()
 
+    @property
+    def _degraded(self) -> DegradedOutputSpec:
+        return self.leg.run.attempt.provider.degraded_output
+
+    def _judged(self, client: ClientStream) -> Verdict:
+        delivered = client.delivered
+        tools = delivered.tools
+        return verdict_on(
+            self.host.chat, delivered.text, delivered.finish_reason,
+            tool_calls=() if tools is None else tools.calls(), refusal=delivered.refused,
+        )  # fmt: skip
+
     def _answer(self, client: ClientStream) -> Answered:
         delivered = client.delivered
         finish = delivered.finish_reason
         return Answered(
-            finish, delivered.prompt_tokens, delivered.completion_tokens, delivered.content_deltas,
+            finish, delivered.prompt_tokens, delivered.completion_tokens, delivered.outputs,
             capped_by_upstream=finish == "length" and not self.host.chat.client_capped(finish),
         )  # fmt: skip
 
+    def _at_limit(self, client: ClientStream) -> bool:
+        """What was delivered already reaches the caller's token limit."""
+        budget = self.host.chat.token_budget(client.continuable.outputs)
+        return budget is not None and budget <= 0
+
     # -- the ends -------------------------------------------------------------------------
 
-    async def _done(self, client: ClientStream, stop: Stop) -> web.StreamResponse | None:
-        """The answer is complete: nothing more is read or awaited. Live, the client has it;
-        buffered, it is judged first, and one whose verdict counts is replaced unseen."""
+    async def _done(
+        self, client: ClientStream, stop: Stop, verdict: Verdict
+    ) -> web.StreamResponse | None:
+        """The answer is complete: nothing more is read or awaited. What was held (a
+        buffered answer, tool calls) goes out now that it is judged."""
         run, opened = self.leg.run, self.leg.opened
         assert opened is not None
         opened.close()
@@ -133,43 +182,38 @@ class Delivery:
             self.services.recorder.noticed(provider, ProtocolQuirk.MISSING_DONE)
         if stop.usage_estimated and not client.delivered.spliced:
             self.services.recorder.noticed(provider, ProtocolQuirk.MISSING_USAGE)
-        delivered = client.delivered
-        verdict = verdict_on(self.host.chat, delivered.text, delivered.finish_reason,
-                             delivered.has_tool_calls)  # fmt: skip
         answer = self._answer(client)
         if client.holding:
-            if verdict.counts(run.attempt.provider.degraded_output):
-                detail = f"answered a buffered stream that is {verdict.kind.value}"
-                self.host.fail(run.end(Cause.DEGRADED, self.now(), detail, verdict=verdict,
-                                       answer=answer))  # fmt: skip
-                client.discard()
-                return None
             await client.release()
-            self.host.decision.first_content_at = self.now()
+        self._shown(client)
         end = run.end(Cause.ANSWERED, self.now(), "answered", verdict=verdict, answer=answer)
         self.host.served(end)
         assert client.response is not None
         return client.response
 
+    def _shown(self, client: ClientStream) -> None:
+        """When the client first saw the answer (a held one: when it was released)."""
+        if client.shown_at is not None:
+            self.host.decision.first_content_at = client.shown_at
+
     def _broken(self, client: ClientStream, stop: Stop) -> ArmEnd:
-        """The serving leg's end, broken after content: the upstream's fault."""
+        """The serving leg's end, broken after its first output: the upstream's fault."""
         run, opened = self.leg.run, self.leg.opened
         assert opened is not None
         opened.close()
         end = run.end(stop.cause, self.now(), f"stream broke after content: {stop.detail}",
-                      answer=self._answer(client))  # fmt: skip
-        end.delivered = True
+                      verdict=stop.verdict, answer=self._answer(client))  # fmt: skip
+        end.delivered = client.shown
         return end
 
     async def _broke(self, client: ClientStream, stop: Stop) -> web.StreamResponse | None:
-        """Nobody could continue: the client gets an error event, and the request is over.
-        The broken leg is what was served (its end is recorded once, whoever tells it).
-        Buffered, the client saw none of it: a failure like any other (None)."""
-        if client.holding:
+        """Nobody could continue. When the client saw none of the answer, a failure like
+        any other (None): the exchange moves on. Otherwise it gets an error event, and the
+        request is over; the broken leg is what was served (its end recorded once,
+        whoever tells it)."""
+        if not client.shown:
             if self.broken is None:
-                end = self._broken(client, stop)
-                end.delivered = False
-                self.host.fail(end)
+                self.host.fail(self._broken(client, stop))
             self.leg.recorded = True
             client.discard()
             return None
@@ -178,7 +222,23 @@ class Delivery:
         else:
             self.host.served(self.broken, recorded=True)
         self.leg.recorded = True
+        self._shown(client)
         await client.fail(stop.detail)
+        assert client.response is not None
+        return client.response
+
+    async def _capped(self, client: ClientStream, stop: Stop) -> web.StreamResponse:
+        """It broke once the answer had reached the caller's token limit: nothing may be
+        asked of another machine, and the caller has what it asked for. The answer ends
+        as a limit ends it (`length`); the break is still the upstream's."""
+        client.back_to_mark()
+        end = self.broken or self._broken(client, stop)
+        self.host.served(end, recorded=self.broken is not None)
+        # The client has the whole answer it asked for: answered, not incomplete.
+        self.host.decision.outcome = None
+        self.leg.recorded = True
+        await client.finish(b"", reason="length")
+        self._shown(client)
         assert client.response is not None
         return client.response
 
@@ -190,9 +250,9 @@ class Delivery:
         assert act.alternative is not None
         role = self.host.chat.role.name
         slow = None
-        if self.legs < MAX_LEGS:
-            # Held, not yet seen: a machine that cannot continue starts the answer afresh.
-            afresh = client.holding and not act.alternative.continues_partial
+        if self._may_splice() and not self._at_limit(client):
+            # Nothing seen yet: a machine that cannot continue starts the answer afresh.
+            afresh = not client.shown and not act.alternative.continues_partial
             slow = await self._continue_on(client, act.alternative.key, afresh=afresh)
         if slow is None:
             self.services.recorder.act(role, act, "kept")
@@ -203,11 +263,20 @@ class Delivery:
         self.services.recorder.act(role, act, "continued")
         return self._relay_of(client, may_move=False)
 
+    def _may_splice(self) -> bool:
+        """Another arm may still take the answer over: legs left, and one answer asked
+        for (several are never spliced from two machines)."""
+        return self.legs < MAX_LEGS and self.host.chat.choices == 1
+
     async def _rescue(self, client: ClientStream, stop: Stop) -> Relay | None:
-        """A stream that broke after content: the answer continues on the first machine
-        that can take it over (SPEC E5), or None."""
-        if self.legs >= MAX_LEGS or self.now() >= self.host.deadline:
+        """A stream that broke after its first output: the answer continues on the first
+        machine that can take it over (SPEC E5), or None. Tool calls held when it broke
+        are dropped: the machine that takes over writes its own."""
+        client.back_to_mark()
+        if not self._may_splice() or self.now() >= self.host.deadline:
             return None
+        if not client.shown and not client.delivered.texts:
+            return None  # nothing to go on from: the exchange starts the answer afresh
         broken = self.leg
         failed = self.arms.key(broken.run)
         avoid: set[MachineKey] = set() if failed is None else {failed}
@@ -230,18 +299,19 @@ class Delivery:
     async def _continue_on(
         self, client: ClientStream, target: MachineKey, *, afresh: bool = False
     ) -> Leg | None:
-        """Send `target` the request plus what was delivered; when it produces content it
-        serves the client from the end of what the client has, and the leg it took over
-        from is returned. `afresh` (a held answer): the plain request, and what was held is
-        dropped. A failure is recorded (None)."""
+        """Send `target` the request plus the text delivered (less any tool calls held);
+        when it produces its first output it serves the client from there, and the leg it
+        took over from is returned. `afresh`, or no text delivered: the plain request, and
+        what the client was not shown is dropped. A failure is recorded (None)."""
         attempt = self.host.onward(target.provider, target.model, target.machine)
         if attempt is None:
             return None
-        delivered = client.delivered
+        base = client.continuable
+        afresh = afresh or not base.texts
+        seam = None if afresh else base.text
         budget = max(self.host.deadline - self.now(), 0.0)
-        done = 0 if afresh else delivered.content_deltas
-        onward = self.arms.run(attempt, budget, ArmAct.CONTINUED, done)
-        chat = self.host.chat if afresh else self.host.chat.continued(delivered.text)
+        onward = self.arms.run(attempt, budget, ArmAct.CONTINUED, 0 if afresh else base.outputs)
+        chat = self.host.chat if seam is None else self.host.chat.continued(seam, base.outputs)
         try:
             opened = await self.arms.open(onward, chat)
         except ArmFailed as failure:
@@ -253,11 +323,21 @@ class Delivery:
             previous.opened.close()
         self.leg = Leg(onward, opened)
         self.legs += 1
-        if afresh:
+        self.seam = seam
+        self.echoes = self._echoes(target)
+        client.back_to_mark()
+        if afresh and not client.shown:
             client.discard()
         else:
             client.splice()
         return previous
+
+    def _echoes(self, target: MachineKey) -> bool:
+        """Whether the machine is declared to repeat the partial message it continues."""
+        provider = self.host.config.provider(target.provider)
+        model = None if provider is None else provider.model(target.model)
+        machine = None if model is None else model.machine(target.machine)
+        return machine is not None and machine.echoes_partial_message
 
     def _left(self, end: ArmEnd) -> None:
         """The client went away (or we shut down) while this leg served it."""

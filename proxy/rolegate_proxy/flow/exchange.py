@@ -17,7 +17,6 @@ Streamed arms are served by `serving.StreamServer`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar
@@ -35,7 +34,7 @@ from ..wire.aggregator import CallerRefusal, merge
 from ..wire.chat_request import ChatRequest
 from ..wire.errors import ProxyError
 from .arms import ArmRun, Reply, complete, reply_response, verdict_on
-from .client_stream import ClientGone, ClientStream
+from .client_stream import ClientStream
 from .failures import exhausted, refused_for_patience, rejected
 from .services import Services, served_headers
 from .serving import StreamServer
@@ -77,10 +76,10 @@ class Exchange:
         """The client's stream, made when the first streamed arm commits to it (a buffered
         one when the request begins: its keep-alives run from then)."""
         if self.client is None:
-            buffered = self.chat.role.delivery is Delivery.BUFFERED
             self.client = ClientStream(
-                self.request, self.headers, self.chat,
-                keepalive_seconds=self.services.keepalive_seconds if buffered else None,
+                self.request, self.headers, self.chat, self.services.now,
+                buffered=self.chat.role.delivery is Delivery.BUFFERED,
+                keepalive_seconds=self.services.keepalive_seconds,
             )  # fmt: skip
         return self.client
 
@@ -89,22 +88,23 @@ class Exchange:
         return self.decision.started_at + self.chat.role.patience_seconds
 
     async def run(self) -> web.StreamResponse:
-        keep_alive = None
         if self.chat.stream and self.chat.role.delivery is Delivery.BUFFERED:
-            keep_alive = asyncio.create_task(_keep_alive(self.client_stream()))
+            # Held from the start: the caller hears from us while its answer is made.
+            self.client_stream().keep_alive()
         try:
             return await self._serve()
         except ProxyError as error:
             client = self.client
-            if client is None or client.response is None or not client.holding:
+            if client is None or client.response is None:
                 raise
-            # Keep-alives committed the stream (200): the error travels as an event.
+            # Keep-alives committed the stream (200) while nothing was shown: the error
+            # travels as an event.
             self.decision.error_code = error.code
             await client.refuse(error)
             return client.response
         finally:
-            if keep_alive is not None:
-                keep_alive.cancel()
+            if self.client is not None:
+                self.client.close()
             # A probe whose arm ended without a conclusive answer (cancelled, crashed, the
             # client gone) is given back, so the next request can probe.
             for admission in self.probes:
@@ -358,7 +358,9 @@ class Exchange:
 
     def _answered(self, run: ArmRun, reply: Reply) -> web.StreamResponse | None:
         got = reply.completion
-        verdict = verdict_on(self.chat, got.text, got.finish_reason, got.has_tool_calls)
+        verdict = verdict_on(
+            self.chat, got.text, got.finish_reason, tool_calls=got.tool_calls, refusal=got.refusal
+        )
         answer = Answered(
             got.finish_reason, got.prompt_tokens, got.completion_tokens,
             capped_by_upstream=self._capped(got.finish_reason),
@@ -441,12 +443,6 @@ class Exchange:
                     return None
                 return await self._try(attempt, self.deadline - services.now())
         return None
-
-
-async def _keep_alive(client: ClientStream) -> None:
-    """A keep-alive that finds the client gone stops; the request's own writes say so."""
-    with contextlib.suppress(ClientGone):
-        await client.keep_alive()
 
 
 def _request_fault(end: ArmEnd) -> RequestFault | None:

@@ -161,7 +161,7 @@ class StreamServer:
         """A stream that finished with nothing in it, before anything reached the client:
         another machine or model may still answer, if the empty answer counts (SPEC A2)."""
         run = self.leg.run
-        verdict = verdict_on(self.host.chat, "", opened.finish_reason, False)
+        verdict = verdict_on(self.host.chat, "", opened.finish_reason)
         if not verdict.counts(run.attempt.provider.degraded_output):
             return False
         opened.close()

@@ -1,12 +1,19 @@
-"""A streamed arm: opening it (held back until its first content) and relaying it.
+"""A streamed arm: opening it (held back until its first output) and relaying it.
 
 Streaming is committed lazily: events are held back until the first one that carries
-content (or the end of the stream), so an upstream that fails before producing anything is
-replaced by the next attempt and the client never sees it. Once committed, each event's
-own bytes go to the client as they arrive, one write per network read. The relay stops at
+output of any kind (text, reasoning, a tool call, a refusal) or the end of the stream, so
+an upstream that fails before producing anything is replaced by the next attempt and the
+client never sees it. Once committed, each event's own bytes go to the client as they
+arrive, one write per network read; from the answer's first tool call on they are held
+(the client stream's), so a tool call reaches the client only whole. The relay stops at
 the first of: the answer's `[DONE]` (the client then has the complete answer and nothing
 more is read), a break (cut, silence, an error event), a rate act that can move the
 stream, or the client leaving (`ClientGone`, raised by the client stream).
+
+A continuation's first text passes a `Splice` (an echo of what the client has is dropped,
+a stop sequence across the seam ends the answer), and its reasoning is held back once the
+client has content: those events are written anew (`ChatWriter`), every other one is the
+upstream's own bytes.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ from itertools import chain
 import aiohttp
 
 from ..core.arm_end import Cause
+from ..core.splice import Splice
+from ..core.verdicts import Verdict
 from ..core.watch import Act, Watch
-from ..wire.answers import Chunk
+from ..wire.answers import NO_PIECES, Chunk
 from ..wire.dialects import WireProtocol
 from ..wire.sse import EventFramer, Kind
 from .client_stream import ClientStream
@@ -147,7 +156,7 @@ async def hold_until_content(
                 on_named(item.machine)
             opened.model = opened.model or item.model
             opened.held.append(each)
-            if item.has_content:
+            if item.has_content:  # output of any kind, or the finish
                 opened.rest = sent
                 opened.first_at = clock()
                 opened.finish_reason = item.finish_reason
@@ -168,6 +177,8 @@ class Stop:
     cause: Cause = Cause.ANSWERED
     detail: str = ""
     act: Act | None = None
+    # A held answer judged broken (BROKE with cause DEGRADED): its verdict.
+    verdict: Verdict | None = None
     # A complete answer (DONE) whose `[DONE]` rolegate supplied, and whether the usage chunk
     # the caller asked for was rolegate's estimate: quirks to note, never faults.
     supplied_done: bool = False
@@ -256,6 +267,10 @@ class Relay:
     clock: Clock
     # Whether a rate act may still move this stream (one move per request).
     may_move: bool = True
+    # A continuation's seam with what the client has, while it is open.
+    splice: Splice | None = None
+    # A continuation after content: its reasoning is not forwarded (SPEC E7).
+    drop_reasoning: bool = False
     # The rate acts that found nothing to move to: kept, and counted.
     kept: list[Act] = field(default_factory=list)
     # When content last reached the client (the start of the relay until the first).
@@ -271,7 +286,7 @@ class Relay:
         opened = self.opened
         # What was held back goes first, in one write with the rest of its read.
         first = bool(opened.held)
-        events: Iterable[Sent] = chain(opened.held, opened.rest)
+        events: Iterator[Sent] = chain(opened.held, opened.rest)
         opened.held, opened.rest = [], ()
         while True:
             if not first:
@@ -281,11 +296,23 @@ class Relay:
                 if got is None:
                     return await self._ended()
                 events = got
-            # Sliced and written here, not in a coroutine: this is every network read.
-            data, tokens, last = self._forwarded(events)
-            if last is not None:
-                return await self._last(data, last)
-            await self.client.write(data)
+            tokens = 0
+            while True:
+                # Sliced and written here, not in a coroutine: this is every network read.
+                data, counted, pending = self._forwarded(events)
+                tokens += counted
+                if pending is None:
+                    await self.client.write(data)
+                    break
+                # An event that needs more than forwarding (rare): the rest of the read
+                # goes on where it was.
+                attended = await self._attend(data, pending)
+                if isinstance(attended, Stop):
+                    return attended
+                if attended < 0:  # the tool calls begin: that event again, now held
+                    events = chain((pending,), events)
+                else:
+                    tokens += attended
             if tokens and (stop := self._produced(tokens, first=first)) is not None:
                 return stop
             first = False
@@ -350,46 +377,136 @@ class Relay:
         """The upstream ended its stream cleanly. After the final chunk (its finish reason)
         the answer is complete: a missing `[DONE]` is supplied. Before it, a cut."""
         if self.client.delivered.finish_reason is not None:
-            estimated = await self.client.finish(b"")
+            estimated = await self.client.finish(self._seam_rest())
             return Stop(StopKind.DONE, supplied_done=True, usage_estimated=estimated)
         return Stop(
             StopKind.BROKE, Cause.CUT, "the upstream stream was cut before the answer finished"
         )
 
-    def _forwarded(self, events: Iterable[Sent]) -> tuple[bytes, int, Chunk | Kind | None]:
-        """One read's events as the bytes to write, how many carried content, and the event
-        that ends the stream in it ([DONE], or an error chunk), if one does: the bytes are
-        then what came before it, and nothing after it is read."""
+    def _forwarded(self, events: Iterator[Sent]) -> tuple[bytes, int, Sent | None]:
+        """One read's events as the bytes to write and how many pieces of output they
+        carried, up to the first event that needs more than forwarding, if one does: the
+        end ([DONE], an error chunk), the answer's first tool call, reasoning held back,
+        or, while a continuation is checked at its seam, any of its output. That event is
+        returned, taken from `events` but not forwarded; the rest of them are not read."""
         out = _Forward()
-        tokens = 0
-        delivered = self.client.delivered
+        tokens = texts_only = 0
+        client = self.client
+        delivered = client.delivered
         texts = delivered.texts
-        for item, buffer, start, end in events:
+        at_seam = self.splice is not None
+        for sent in events:
+            item, buffer, start, end = sent
             if type(item) is str:
+                if at_seam:
+                    delivered.outputs += texts_only
+                    return out.take(), tokens + texts_only, sent
                 # Text alone: all `Delivered.note` would take of it (the answer so far is
                 # the texts; whatever else the chunk named, an earlier chunk named first).
                 texts.append(item)
-                tokens += 1
+                texts_only += 1
             elif type(item) is Chunk:
-                if item.error is not None:
-                    return out.take(), tokens, item
+                if (
+                    at_seam
+                    or item.error is not None
+                    or (item.tool_calls and not client.holds_tools)
+                    or (item.reasoning and self.drop_reasoning)
+                ):
+                    delivered.outputs += texts_only
+                    return out.take(), tokens + texts_only, sent
                 if not delivered.note(item):
                     continue
-                tokens += 1 if item.content else 0
+                tokens += item.outputs
             elif item is Kind.DONE:
-                return out.take(), tokens, item
+                delivered.outputs += texts_only
+                return out.take(), tokens + texts_only, sent
             out.add(buffer, start, end)
-        return out.take(), tokens, None
+        delivered.outputs += texts_only
+        return out.take(), tokens + texts_only, None
 
-    async def _last(self, data: bytes, last: Chunk | Kind) -> Stop:
-        """The end a read's [DONE] or error chunk makes, after the bytes before it."""
-        if isinstance(last, Chunk) and last.error is not None:
-            await self.client.write(data)
-            code = f" ({last.error.code})" if last.error.code else ""
+    async def _attend(self, data: bytes, sent: Sent) -> Stop | int:
+        """An event `_forwarded` stopped at, after the bytes before it: the Stop it makes,
+        else the pieces of output it added, or -1 for the answer's first tool call, which
+        starts the hold and is then forwarded (into it) like any event."""
+        item = sent[0]
+        client = self.client
+        if item is Kind.DONE:
+            estimated = await client.finish(data + self._seam_rest())
+            return Stop(StopKind.DONE, usage_estimated=estimated)
+        assert not isinstance(item, Kind)
+        if isinstance(item, Chunk) and item.error is not None:
+            await client.write(data)
+            code = f" ({item.error.code})" if item.error.code else ""
             detail = f"the upstream reported an error mid-stream{code}"
             return Stop(StopKind.BROKE, Cause.IN_BAND_ERROR, detail)
-        estimated = await self.client.finish(data)
-        return Stop(StopKind.DONE, usage_estimated=estimated)
+        chunk = _as_chunk(item, client.delivered.model)
+        passed, stopped = self._through_seam(chunk)
+        if stopped:
+            # A stop sequence ends at the seam: the answer is complete there.
+            estimated = await client.finish(data, reason="stop")
+            return Stop(StopKind.DONE, usage_estimated=estimated)
+        if passed.tool_calls and not client.holds_tools:
+            if client.delivered.outputs:
+                await client.write(data)
+                data = b""
+            # (Else what came before is no answer yet, the role chunk say: held with it,
+            # so an answer that is a call alone shows the client nothing until it is.)
+            client.hold_tools()
+            if passed is chunk:
+                await client.write(data)
+                return -1
+        if passed is not chunk:
+            # Written anew: what the upstream sent is not what the client gets.
+            if passed.has_content or passed.has_usage:
+                client.delivered.note(passed)
+                data += client.writer.chunk(passed, client.delivered.model)
+            await client.write(data)
+            return passed.outputs
+        if client.delivered.note(passed):
+            data += sent[1][sent[2] : sent[3]]
+        await client.write(data)
+        return passed.outputs
+
+    def _through_seam(self, chunk: Chunk) -> tuple[Chunk, bool]:
+        """The chunk as the client gets it: its reasoning held back once the client has
+        content, its text through the continuation's seam while that is open; whether a
+        stop sequence ended the answer at the seam. The same chunk when nothing changed."""
+        reasoning = "" if self.drop_reasoning else chunk.reasoning
+        text = chunk.content
+        splice = self.splice
+        if splice is not None:
+            passed = splice.feed(text) if text else None
+            if passed is not None and passed.stopped:
+                return chunk, True
+            text = "" if passed is None else passed.text
+            if chunk.tool_calls or chunk.finish_reason or chunk.refusal:
+                text += splice.interrupt()
+            if splice.settled:
+                self.splice = None
+        if text == chunk.content and reasoning == chunk.reasoning:
+            return chunk, False
+        outputs = (
+            chunk.outputs
+            - bool(chunk.content) + bool(text)
+            - bool(chunk.reasoning) + bool(reasoning)
+        )  # fmt: skip
+        return Chunk(
+            text, outputs > 0 or chunk.finish_reason is not None, chunk.has_output or bool(text),
+            chunk.tool_calls, reasoning, chunk.refusal, outputs, chunk.finish_reason,
+            chunk.prompt_tokens, chunk.completion_tokens, chunk.has_usage, chunk.model,
+            chunk.machine, None,
+        ), False  # fmt: skip
+
+    def _seam_rest(self) -> bytes:
+        """At the continuation's end: its text still held at the seam (no stop having
+        ended), as an event; an echo still open was an echo."""
+        splice, self.splice = self.splice, None
+        rest = "" if splice is None else splice.interrupt()
+        if not rest:
+            return b""
+        chunk = _as_chunk(rest, self.client.delivered.model)
+        self.client.delivered.note(chunk)
+        return self.client.writer.chunk(chunk, self.client.delivered.model)
 
     def _produced(self, tokens: int, *, first: bool) -> Stop | None:
         """Content reached the client: the stall clock starts again, and the watch is told.
@@ -424,3 +541,10 @@ class _Forward:
     def take(self) -> bytes:
         run = self._buffer[self._start : self._end]
         return b"".join((*self._runs, run)) if self._runs else run
+
+
+def _as_chunk(item: Chunk | str, model: str | None) -> Chunk:
+    """A decoded event as a chunk (text alone, as the text of a plain content chunk)."""
+    if isinstance(item, Chunk):
+        return item
+    return Chunk(item, True, True, NO_PIECES, "", "", 1, None, None, None, False, model, None, None)

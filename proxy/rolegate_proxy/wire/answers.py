@@ -1,6 +1,8 @@
 """What a provider's answer says, as typed values, whatever its dialect: a completion, a
-stream chunk, an error. Each dialect's wire module (`wire/openai.py`) reads its own format
-into these; the request path reads only these."""
+stream chunk (the answer events: text, tool-call pieces, reasoning, refusal, finish,
+usage, an in-band error), an error. Each dialect's reader (`wire/openai.py`) reads its own
+format into these, the caller's writer (`wire/chat_writer.py`) writes them in the caller's;
+the request path reads only these."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..core.arm_end import RequestFault
+from ..core.tool_calls import ToolCall, ToolCallPiece
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +32,13 @@ class UpstreamError:
 
 
 class Completion(NamedTuple):
-    """A non-streamed answer: its text (kept only until it is judged) and its facts."""
+    """A non-streamed answer: its text and tool calls (kept only until it is judged) and
+    its facts."""
 
     text: str
     finish_reason: str | None
-    has_tool_calls: bool
+    tool_calls: tuple[ToolCall, ...]
+    refusal: bool
     prompt_tokens: int | None
     completion_tokens: int | None
     model: str | None
@@ -44,8 +49,12 @@ class NotTheProtocol(ValueError):
     """A 200 body that is not a chat completion (not UTF-8 JSON, or without `choices`)."""
 
 
-# Not frozen: one is made per stream event, and a frozen dataclass sets each of its eleven
-# fields through object.__setattr__ (the hot loop; nothing changes one once made).
+NO_PIECES: tuple[ToolCallPiece, ...] = ()
+
+
+# Not frozen: one is made per stream event, and a frozen dataclass sets each of its
+# fields through object.__setattr__ (the hot loop; nothing changes one once made). Built
+# positionally, per event.
 @dataclass(slots=True)
 class Chunk:
     """What one decoded stream event says. Its bytes are not in it: the relay forwards
@@ -53,11 +62,19 @@ class Chunk:
 
     # The text of its content deltas (kept only until the answer is judged).
     content: str
-    # Content, a tool call or reasoning: something a client shows.
+    # Output of any kind, or a finish: what ends the wait for a first token.
     has_content: bool
-    # Content or a tool call: an answer, as opposed to reasoning only.
+    # Content, a refusal or a tool call: an answer, as opposed to reasoning only.
     has_output: bool
-    has_tool_calls: bool
+    # Its pieces of tool calls (NO_PIECES when none).
+    tool_calls: tuple[ToolCallPiece, ...]
+    # Its reasoning text (`reasoning_content`, or OpenRouter's `reasoning`).
+    reasoning: str
+    # Its refusal text (OpenAI's `refusal`).
+    refusal: str
+    # Pieces of output it carries, of every kind: what the rate test, the stall bound and
+    # the token estimate count (SPEC E7).
+    outputs: int
     finish_reason: str | None
     prompt_tokens: int | None
     completion_tokens: int | None

@@ -13,6 +13,7 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 
+from ..core.tool_calls import NO_TOOLS, DeclaredTools, declared_tools
 from ..core.verdicts import PromptProfile, profile_texts, strings_in
 from .caller_provider import NO_PREFERENCES, CallerProvider, parse_caller_provider, refuse_bypass
 from .errors import ProxyError, bad_request
@@ -63,6 +64,10 @@ def too_deep() -> ProxyError:
     )
 
 
+# The caller's token limits, newer name first: a continuation is sent what is left of each.
+TOKEN_LIMITS: Final = ("max_completion_tokens", "max_tokens")
+
+
 # orjson's reader refuses JSON nested past 1024 levels, with this message: valid JSON, so
 # "not valid JSON" would not say what to fix.
 _READ_TOO_DEEP = "depth limit exceeded"
@@ -87,21 +92,41 @@ class ChatRequest:
     # The caller's own routing preferences (its `provider` object), merged with the role's
     # routing per attempt, never replacing it (SPEC F3).
     caller: CallerProvider = NO_PREFERENCES
+    # The tools it declares: what a tool call in the answer may call (SPEC A2).
+    tools: DeclaredTools = NO_TOOLS
+    # Its stop sequences, which a continuation must keep across the seam (SPEC E7).
+    stops: tuple[str, ...] = ()
+    # Answers it asks for (`n`): more than one is never spliced from two machines.
+    choices: int = 1
 
-    def continued(self, delivered: str) -> ChatRequest:
+    def continued(self, delivered: str, spent: int) -> ChatRequest:
         """This request with the text already delivered as a partial assistant message, for
-        a machine that continues it (SPEC B6)."""
+        a machine that continues it (SPEC B6, E7), and its token limits less the `spent`
+        output already delivered (`token_budget` says whether any is left)."""
         messages = [*self.body.get("messages", []), {"role": "assistant", "content": delivered}]
         body = {**self.body, "messages": messages}
+        for name in TOKEN_LIMITS:
+            limit = _limit(self.body, name)
+            if limit is not None:
+                body[name] = max(limit - spent, 1)
         return ChatRequest(
-            self.role,
-            body,
-            self.stream,
-            self.prompt,
-            self.prompt_tokens,
-            encode_body(body),
-            self.caller,
+            role=self.role,
+            body=body,
+            stream=self.stream,
+            prompt=self.prompt,
+            prompt_tokens=self.prompt_tokens,
+            encoded=encode_body(body),
+            caller=self.caller,
+            tools=self.tools,
+            stops=self.stops,
+            choices=self.choices,
         )
+
+    def token_budget(self, spent: int) -> int | None:
+        """Output tokens the caller's limits leave once `spent` were delivered (None: it
+        set none); at most zero when a continuation would go past them."""
+        limits = [limit for name in TOKEN_LIMITS if (limit := _limit(self.body, name)) is not None]
+        return None if not limits else min(limits) - spent
 
     @property
     def wants_usage(self) -> bool:
@@ -115,9 +140,22 @@ class ChatRequest:
 
     def client_capped(self, finish_reason: str | None) -> bool:
         """The answer stopped at the caller's own token limit: not the model's fault."""
-        return finish_reason == "length" and (
-            "max_tokens" in self.body or "max_completion_tokens" in self.body
-        )
+        return finish_reason == "length" and any(name in self.body for name in TOKEN_LIMITS)
+
+
+def _limit(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    return value if type(value) is int else None
+
+
+def _stops(value: object) -> tuple[str, ...]:
+    """The stop sequences of `stop`: a string or a list of strings (anything else is the
+    upstream's to refuse)."""
+    if isinstance(value, str):
+        return (value,) if value else ()
+    if isinstance(value, list):
+        return tuple(stop for stop in value if isinstance(stop, str) and stop)
+    return ()
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -226,14 +264,18 @@ def validate_chat_request(body: dict[str, Any], role: CompiledRole) -> ChatReque
     # (the profile also every string of `tools`, which a model may echo too).
     texts = strings_in(messages)
     tools = body.get("tools")
+    choices = body.get("n", 1)
     return ChatRequest(
-        role,
-        body,
-        stream,
-        profile_texts(texts if tools is None else [*texts, *strings_in(tools)]),
-        estimate_prompt_tokens(texts),
-        encode_body(body),
-        parse_caller_provider(body.get("provider")),
+        role=role,
+        body=body,
+        stream=stream,
+        prompt=profile_texts(texts if tools is None else [*texts, *strings_in(tools)]),
+        prompt_tokens=estimate_prompt_tokens(texts),
+        encoded=encode_body(body),
+        caller=parse_caller_provider(body.get("provider")),
+        tools=declared_tools(body),
+        stops=_stops(body.get("stop")),
+        choices=choices if type(choices) is int else 1,
     )
 
 

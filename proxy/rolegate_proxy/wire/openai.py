@@ -19,8 +19,9 @@ import orjson
 from ..core.arm_end import RequestFault
 from ..core.exclusions import is_request_fault
 from ..core.routing import MachineRouting
+from ..core.tool_calls import ToolCallPiece, assembled
 from .aggregator import provider_field
-from .answers import Chunk, Completion, NotTheProtocol, UpstreamError
+from .answers import NO_PIECES, Chunk, Completion, NotTheProtocol, UpstreamError
 from .caller_provider import NO_PREFERENCES, CallerProvider
 from .chat_request import EncodedBody
 from .names import upstream_name
@@ -180,7 +181,8 @@ def parse_completion(raw: bytes, *, named: bool) -> Completion | UpstreamError:
     return Completion(
         content if isinstance(content, str) else "",  # text
         _finish_reason(first),  # finish_reason
-        bool(message.get("tool_calls")),  # has_tool_calls
+        assembled(_tool_call_pieces(message, 0, whole=True)),  # tool_calls
+        bool(_text(message, "refusal")),  # refusal
         _count(usage, "prompt_tokens"),  # prompt_tokens
         _count(usage, "completion_tokens"),  # completion_tokens
         upstream_name(payload.get("model")),  # model
@@ -241,8 +243,10 @@ def _json_text(token: bytes) -> str | None:
 
 def _plain_text(payload: dict[str, Any]) -> str | None:
     """The text of a chunk that says nothing else `read_chunk` reads: one choice, whose
-    delta has text and no tool call, no finish reason, no usage, no error (its model and
-    machine aside). None for any other chunk."""
+    delta has text and nothing else that is not empty (its role aside), no finish reason,
+    no usage, no error (its model and machine aside). None for any other chunk: a later
+    event in its shape is read as its text alone, so whatever else the shape held would
+    be lost."""
     choices = payload.get("choices")
     if type(choices) is not list or len(choices) != 1 or "usage" in payload:
         return None
@@ -250,12 +254,17 @@ def _plain_text(payload: dict[str, Any]) -> str | None:
         return None
     choice = choices[0]
     delta = choice.get("delta") if type(choice) is dict else None
-    if type(delta) is not dict or delta.get("tool_calls") or choice.get("finish_reason"):
+    if type(delta) is not dict or choice.get("finish_reason"):
         return None
+    for key, value in delta.items():
+        if value and key not in _PLAIN_KEYS:
+            return None
     content = delta.get("content")
     return content if type(content) is str and content else None
 
 
+# What a plain text delta may say besides its text.
+_PLAIN_KEYS: Final = frozenset({"content", "role"})
 _CONTENT_KEY = b'"content":'
 _QUOTE = 0x22
 _BACKSLASH = 0x5C
@@ -308,32 +317,55 @@ def stream_reader(*, named: bool) -> ChunkReader:
 
 
 def read_chunk(payload: dict[str, Any], *, named: bool) -> Chunk:
+    """One event's answer events: every choice's text, reasoning, refusal and tool-call
+    pieces, its finish and usage, or the error it carries instead."""
     if isinstance(payload.get("error"), (dict, str)):
         error = parse_error(None, payload, named=named)
-        return Chunk("", False, False, False, None, None, None, False, None, error.machine, error)
+        return Chunk(
+            "", False, False, NO_PIECES, "", "", 0, None, None, None, False, None,
+            error.machine, error,
+        )  # fmt: skip
     texts: list[str] = []
-    has_content = has_output = tool_calls = False
+    reasoning = refusal = ""
+    pieces: tuple[ToolCallPiece, ...] = NO_PIECES
+    outputs = 0
+    has_output = False
     finish: str | None = None
-    for choice in payload.get("choices") or ():
+    for at, choice in enumerate(payload.get("choices") or ()):
         if not isinstance(choice, dict):
             continue
         finish = _finish_reason(choice) or finish
         delta = choice.get("delta")
         if not isinstance(delta, dict):
             continue
-        content = delta.get("content")
-        if isinstance(content, str) and content:
+        index = choice.get("index")
+        index = index if type(index) is int else at
+        if content := _text(delta, "content"):
             texts.append(content)
-        if delta.get("tool_calls"):
-            tool_calls = True
-        has_output = has_output or bool(content) or bool(delta.get("tool_calls"))
-        has_content = has_content or has_output or bool(delta.get("reasoning"))
+            outputs += 1
+            has_output = True
+        if thought := _reasoning(delta):
+            reasoning += thought
+            outputs += 1
+        if refused := _text(delta, "refusal"):
+            refusal += refused
+            outputs += 1
+            has_output = True
+        if delta.get("tool_calls") or delta.get("function_call"):
+            found = tuple(_tool_call_pieces(delta, index, whole=False))
+            if found:
+                pieces = found if not pieces else (*pieces, *found)
+                outputs += len(found)
+                has_output = True
     usage = payload.get("usage")
     return Chunk(
         "".join(texts),
-        has_content or finish is not None,
+        outputs > 0 or finish is not None,
         has_output,
-        tool_calls,
+        pieces,
+        reasoning,
+        refusal,
+        outputs,
         finish,
         None if usage is None else _count(usage, "prompt_tokens"),
         None if usage is None else _count(usage, "completion_tokens"),
@@ -342,6 +374,47 @@ def read_chunk(payload: dict[str, Any], *, named: bool) -> Chunk:
         upstream_name(payload.get("provider")) if named else None,
         None,
     )
+
+
+def _text(fields: dict[str, Any], name: str) -> str:
+    value = fields.get(name)
+    return value if type(value) is str else ""
+
+
+def _reasoning(delta: dict[str, Any]) -> str:
+    """Reasoning text: `reasoning_content` (llama.cpp, vLLM, DeepSeek) or OpenRouter's
+    `reasoning`."""
+    return _text(delta, "reasoning_content") or _text(delta, "reasoning")
+
+
+def _tool_call_pieces(fields: dict[str, Any], choice: int, *, whole: bool) -> list[ToolCallPiece]:
+    """The tool-call pieces of a delta (`whole`: of a complete message, one per call):
+    `tool_calls` entries of function or custom tools, and the legacy `function_call` as
+    call 0. An entry that is not an object is skipped."""
+    pieces: list[ToolCallPiece] = []
+    calls = fields.get("tool_calls")
+    for at, call in enumerate(calls if type(calls) is list else ()):
+        if type(call) is not dict:
+            continue
+        index = call.get("index")
+        custom = call.get("type") == "custom" or type(call.get("custom")) is dict
+        spec = call.get("custom" if custom else "function")
+        spec = spec if type(spec) is dict else {}
+        pieces.append(
+            ToolCallPiece(
+                index if type(index) is int and not whole else at,
+                _text(call, "id") or None,
+                _text(spec, "name") or None,
+                _text(spec, "input" if custom else "arguments"),
+                choice,
+                custom,
+            )
+        )
+    legacy = fields.get("function_call")
+    if type(legacy) is dict:
+        name = _text(legacy, "name") or None
+        pieces.append(ToolCallPiece(0, None, name, _text(legacy, "arguments"), choice))
+    return pieces
 
 
 def _finish_reason(choice: dict[str, Any]) -> str | None:
