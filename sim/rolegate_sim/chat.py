@@ -343,8 +343,10 @@ def _plan(
             if spec.echoes_prefill:
                 tokens = tokenize(prefill) + tokens
                 record.echoed_prefill = True
-            # Mid-answer, the thinking is over; the tool calls, if any, are still to come.
-            reasoning = ()
+            # Mid-answer, the thinking is over (unless the machine thinks again); the tool
+            # calls, if any, are still to come.
+            if not spec.reasons_again:
+                reasoning = ()
             record.continued_partial = True
 
     if isinstance(fault, EmptyFault):

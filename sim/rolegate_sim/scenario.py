@@ -313,6 +313,9 @@ class MachineSpec(_Frozen):
     # A continuing machine first re-sends the prefilled text itself, as content, then the
     # continuation: what real llama-server does.
     echoes_prefill: bool = False
+    # Continuing a prefill, it thinks again first, as a reasoning model given a partial
+    # answer may: its reasoning comes before the rest of the reply.
+    reasons_again: bool = False
     faults: tuple[Fault, ...] = ()
 
 

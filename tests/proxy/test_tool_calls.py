@@ -80,6 +80,7 @@ class Case:
     reasoning: str = ""
     a_speed: tuple[float, float] = (0.0, 0.0)  # the simulated machine's TTFT and rate
     b_echoes: bool = False
+    b_reasons_again: bool = False
     b_declared_echo: bool = False
     a_continues: bool = False
     # Machine `b` serves the model too (else `a` is alone: a slow stream is kept).
@@ -108,6 +109,12 @@ CASES = (
     Case("max-tokens-reached", (fresh("cut", afterTokens=12),), reply=LONG, calls=()),
     Case("reasoning", (fresh("cut", afterTokens=REASONING_PIECES + 3),), reasoning=REASONING),
     Case("cut-in-reasoning", (fresh("cut", afterTokens=3),), reasoning=REASONING),
+    Case(
+        "reasons-again",
+        (fresh("cut", afterTokens=REASONING_PIECES + 3),),
+        reasoning=REASONING,
+        b_reasons_again=True,
+    ),  # fmt: skip
     Case("parallel", (fresh("cut", afterTokens=IN_READ),)),
     Case("forced", (fresh("cut", afterTokens=TEXT_PIECES + 3),)),
     Case("alone", (fresh("cut", afterTokens=4),), reply=""),
@@ -128,6 +135,8 @@ CASE = {case.name: case for case in CASES}
 def _sim_model(case: Case) -> dict[str, Any]:
     ttft, rate = case.a_speed
     echo = {"echoesPrefill": True} if case.b_echoes else {}
+    if case.b_reasons_again:
+        echo["reasonsAgain"] = True
     machines = [
         {"name": "a", "ttftSeconds": ttft, "tokensPerSecond": rate, "faults": case.a_faults,
          "continuesPartialMessage": case.a_continues, "echoesPrefill": case.b_echoes},
@@ -358,6 +367,19 @@ async def test_reasoning_before_content_is_never_spliced_into_it(rig: Rig) -> No
     assert answer.content == TEXT
     assert_sound(answer)
     assert [r["machine"] for r in await records(rig)] == ["a", "b"]
+
+
+async def test_a_continuation_that_thinks_again_is_not_heard_after_the_content(
+    rig: Rig,
+) -> None:
+    """Its second reasoning would land in the client's reasoning after the content began:
+    held back (the client had the first machine's)."""
+    answer = await ask(rig, "reasons-again")
+    assert answer.reasoning == REASONING
+    assert answer.content == TEXT
+    assert_sound(answer)
+    _, rescue = await records(rig)
+    assert (rescue["machine"], rescue["tokens_sent"]) == ("b", ALL_PIECES + REASONING_PIECES - 3)
 
 
 async def test_a_break_during_reasoning_starts_the_answer_afresh(rig: Rig) -> None:
