@@ -114,7 +114,7 @@ CASES = (
         (fresh("cut", afterTokens=REASONING_PIECES + 3),),
         reasoning=REASONING,
         b_reasons_again=True,
-    ),  # fmt: skip
+    ),
     Case("parallel", (fresh("cut", afterTokens=IN_READ),)),
     Case("forced", (fresh("cut", afterTokens=TEXT_PIECES + 3),)),
     Case("alone", (fresh("cut", afterTokens=4),), reply=""),
