@@ -45,10 +45,12 @@ CALLS = [("write_file", WRITE), ("read_file", READ)]
 PIECE_CHARS = 5
 TOOLS: Any = [
     {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
-    for name, _ in CALLS
+    for name in ("write_file", "read_file")
 ]
 PROMPT: Any = [{"role": "user", "content": "write the poem to poem.txt, then read my notes"}]
 LONG = " ".join(f"w{i}—é" for i in range(40))
+# About a second and a half of arguments at 100 pieces a second.
+LONG_CALL = ("write_file", json.dumps({"path": "long.txt", "content": "la " * 250}))
 
 
 def _pieces(arguments: str) -> int:
@@ -79,6 +81,9 @@ class Case:
     calls: tuple[tuple[str, str], ...] = tuple(CALLS)
     reasoning: str = ""
     a_speed: tuple[float, float] = (0.0, 0.0)  # the simulated machine's TTFT and rate
+    # What the ProviderPolicy publishes of each (TTFT, tokens per second).
+    a_published: tuple[float, float] = (0.01, 1000.0)
+    b_published: tuple[float, float] = (0.05, 200.0)
     b_echoes: bool = False
     b_reasons_again: bool = False
     b_declared_echo: bool = False
@@ -103,6 +108,9 @@ CASES = (
     Case("stall-in-arguments", (fresh("stall", afterTokens=IN_WRITE, seconds=30),)),
     Case("move-in-arguments", (fresh("rateCollapse", afterTokens=IN_WRITE, tokensPerSecond=2),)),
     Case("held-long", (fresh("stall", afterTokens=IN_WRITE, seconds=1.0),), b=False),
+    # A long call written at the pace the machine publishes, a slower alternative beside it.
+    Case("steady-call", reply="Writing it. ", calls=(LONG_CALL,), a_speed=(0.0, 100.0),
+         a_published=(0.01, 100.0), b_published=(0.05, 50.0)),  # fmt: skip
     Case("echo", (fresh("cut", afterTokens=5),), b_echoes=True, b_declared_echo=True),
     Case("echo-undeclared", (fresh("cut", afterTokens=5),), b_echoes=True),
     Case("max-tokens", (fresh("cut", afterTokens=7),), reply=LONG, calls=()),
@@ -155,10 +163,11 @@ def _sim_model(case: Case) -> dict[str, Any]:
 
 def _policy_machines(case: Case) -> list[dict[str, Any]]:
     echo = case.b_declared_echo
+    (a_ttft, a_rate), (b_ttft, b_rate) = case.a_published, case.b_published
     machines = [
-        {"name": "a", "ttftSeconds": 0.01, "tokensPerSecond": 1000,
+        {"name": "a", "ttftSeconds": a_ttft, "tokensPerSecond": a_rate,
          "continuesPartialMessage": case.a_continues, "echoesPartialMessage": echo},
-        {"name": "b", "ttftSeconds": 0.05, "tokensPerSecond": 200,
+        {"name": "b", "ttftSeconds": b_ttft, "tokensPerSecond": b_rate,
          "continuesPartialMessage": True, "echoesPartialMessage": echo},
     ]  # fmt: skip
     return machines if case.b else machines[:1]
@@ -321,6 +330,16 @@ async def test_a_rate_move_during_a_tool_call_replaces_the_call_it_held(rig: Rig
     # and what was held of it was dropped.
     assert TEXT_PIECES < first["tokens_sent"] < ALL_PIECES
     assert continued["continued_partial"]
+
+
+async def test_a_long_call_written_at_a_healthy_pace_is_output_not_silence(rig: Rig) -> None:
+    """A stream busy writing arguments produces: it is neither stalled nor moved."""
+    answer = await ask(rig, "steady-call", extra_headers={"X-Request-Id": "steady"})
+    assert_sound(answer, [LONG_CALL])
+    (outcome,) = rig.proxy.state.decisions.recent(request_id="steady")
+    assert [(arm.machine, arm.result.value, arm.act) for arm in outcome.arms] == [
+        ("a", "ok", None)
+    ]  # fmt: skip
 
 
 async def test_an_echoing_continuation_is_trimmed_so_no_text_comes_twice(rig: Rig) -> None:
