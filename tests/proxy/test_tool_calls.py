@@ -109,8 +109,14 @@ CASES = (
     Case("move-in-arguments", (fresh("rateCollapse", afterTokens=IN_WRITE, tokensPerSecond=2),)),
     Case("held-long", (fresh("stall", afterTokens=IN_WRITE, seconds=1.0),), b=False),
     # A long call written at the pace the machine publishes, a slower alternative beside it.
-    Case("steady-call", reply="Writing it. ", calls=(LONG_CALL,), a_speed=(0.0, 100.0),
-         a_published=(0.01, 100.0), b_published=(0.05, 50.0)),  # fmt: skip
+    Case(
+        "steady-call",
+        reply="Writing it. ",
+        calls=(LONG_CALL,),
+        a_speed=(0.0, 100.0),
+        a_published=(0.01, 100.0),
+        b_published=(0.05, 50.0),
+    ),  # fmt: skip
     Case("echo", (fresh("cut", afterTokens=5),), b_echoes=True, b_declared_echo=True),
     Case("echo-undeclared", (fresh("cut", afterTokens=5),), b_echoes=True),
     Case("max-tokens", (fresh("cut", afterTokens=7),), reply=LONG, calls=()),
