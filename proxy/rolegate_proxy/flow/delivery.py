@@ -43,6 +43,7 @@ from ..core.verdicts import Verdict
 from ..core.watch import Act
 from .arms import verdict_on
 from .client_stream import ClientGone, ClientStream
+from .seam import Seam
 from .services import served_headers
 from .stream import Relay, Stop, StopKind
 from .stream_arms import Host, Leg, StreamArms
@@ -125,14 +126,13 @@ class Delivery:
         run, opened = self.leg.run, self.leg.opened
         assert opened is not None
         assert run.watch is not None
-        seam = self.seam
-        return Relay(
-            opened, client, run.watch, run.silence, self.now, may_move=may_move,
-            splice=None if seam is None else Splice(seam, self.host.chat.stops, echoes=self.echoes),
+        seam = None
+        if self.seam is not None:
+            splice = Splice(self.seam, self.host.chat.stops, echoes=self.echoes)
             # Once the client has content, a continuation's thinking aloud is not spliced
             # after it (SPEC E7).
-            drop_reasoning=bool(seam),
-        )  # fmt: skip
+            seam = Seam(splice, drop_reasoning=bool(self.seam))
+        return Relay(opened, client, run.watch, run.silence, self.now, may_move=may_move, seam=seam)
 
     def _kept(self, relay: Relay) -> None:
         role = self.host.chat.role.name

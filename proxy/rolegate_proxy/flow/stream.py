@@ -10,10 +10,8 @@ the first of: the answer's `[DONE]` (the client then has the complete answer and
 more is read), a break (cut, silence, an error event), a rate act that can move the
 stream, or the client leaving (`ClientGone`, raised by the client stream).
 
-A continuation's first text passes a `Splice` (an echo of what the client has is dropped,
-a stop sequence across the seam ends the answer), and its reasoning is held back once the
-client has content: those events are written anew (`ChatWriter`), every other one is the
-upstream's own bytes.
+A continuation's events pass its seam with what the client has (`seam.py`): the few that
+change there are written anew (`ChatWriter`), every other one is the upstream's own bytes.
 """
 
 from __future__ import annotations
@@ -28,13 +26,13 @@ from itertools import chain
 import aiohttp
 
 from ..core.arm_end import Cause
-from ..core.splice import Splice
 from ..core.verdicts import Verdict
 from ..core.watch import Act, Watch
-from ..wire.answers import NO_PIECES, Chunk
+from ..wire.answers import Chunk
 from ..wire.dialects import WireProtocol
 from ..wire.sse import EventFramer, Kind
 from .client_stream import ClientStream
+from .seam import Seam, as_chunk
 from .upstream import TRANSPORT_ERRORS, ArmFailed, Silence, failed_in_transport
 
 # What the relay is handed per event: a decoded data event (a chunk, or the text of one
@@ -267,10 +265,8 @@ class Relay:
     clock: Clock
     # Whether a rate act may still move this stream (one move per request).
     may_move: bool = True
-    # A continuation's seam with what the client has, while it is open.
-    splice: Splice | None = None
-    # A continuation after content: its reasoning is not forwarded (SPEC E7).
-    drop_reasoning: bool = False
+    # A continuation's seam with what the client has (`seam.py`).
+    seam: Seam | None = None
     # The rate acts that found nothing to move to: kept, and counted.
     kept: list[Act] = field(default_factory=list)
     # When content last reached the client (the start of the relay until the first).
@@ -394,7 +390,8 @@ class Relay:
         client = self.client
         delivered = client.delivered
         texts = delivered.texts
-        at_seam = self.splice is not None
+        seam = self.seam
+        at_seam = seam is not None and seam.open
         for sent in events:
             item, buffer, start, end = sent
             if type(item) is str:
@@ -410,7 +407,7 @@ class Relay:
                     at_seam
                     or item.error is not None
                     or (item.tool_calls and not client.holds_tools)
-                    or (item.reasoning and self.drop_reasoning)
+                    or (item.reasoning and seam is not None and seam.drop_reasoning)
                 ):
                     delivered.outputs += texts_only
                     return out.take(), tokens + texts_only, sent
@@ -439,8 +436,8 @@ class Relay:
             code = f" ({item.error.code})" if item.error.code else ""
             detail = f"the upstream reported an error mid-stream{code}"
             return Stop(StopKind.BROKE, Cause.IN_BAND_ERROR, detail)
-        chunk = _as_chunk(item, client.delivered.model)
-        passed, stopped = self._through_seam(chunk)
+        chunk = as_chunk(item, client.delivered.model)
+        passed, stopped = (chunk, False) if self.seam is None else self.seam.through(chunk)
         if stopped:
             # A stop sequence ends at the seam: the answer is complete there.
             estimated = await client.finish(data, reason="stop")
@@ -467,46 +464,14 @@ class Relay:
         await client.write(data)
         return passed.outputs
 
-    def _through_seam(self, chunk: Chunk) -> tuple[Chunk, bool]:
-        """The chunk as the client gets it: its reasoning held back once the client has
-        content, its text through the continuation's seam while that is open; whether a
-        stop sequence ended the answer at the seam. The same chunk when nothing changed."""
-        reasoning = "" if self.drop_reasoning else chunk.reasoning
-        text = chunk.content
-        splice = self.splice
-        if splice is not None:
-            passed = splice.feed(text) if text else None
-            if passed is not None and passed.stopped:
-                return chunk, True
-            text = "" if passed is None else passed.text
-            if chunk.tool_calls or chunk.finish_reason or chunk.refusal:
-                text += splice.interrupt()
-            if splice.settled:
-                self.splice = None
-        if text == chunk.content and reasoning == chunk.reasoning:
-            return chunk, False
-        outputs = (
-            chunk.outputs
-            - bool(chunk.content) + bool(text)
-            - bool(chunk.reasoning) + bool(reasoning)
-        )  # fmt: skip
-        return Chunk(
-            text, outputs > 0 or chunk.finish_reason is not None, chunk.has_output or bool(text),
-            chunk.tool_calls, reasoning, chunk.refusal, outputs, chunk.finish_reason,
-            chunk.prompt_tokens, chunk.completion_tokens, chunk.has_usage, chunk.model,
-            chunk.machine, None,
-        ), False  # fmt: skip
-
     def _seam_rest(self) -> bytes:
-        """At the continuation's end: its text still held at the seam (no stop having
-        ended), as an event; an echo still open was an echo."""
-        splice, self.splice = self.splice, None
-        rest = "" if splice is None else splice.interrupt()
-        if not rest:
+        """At the continuation's end: its text still held at the seam, as an event."""
+        seam = self.seam
+        rest = None if seam is None else seam.rest(self.client.delivered.model)
+        if rest is None:
             return b""
-        chunk = _as_chunk(rest, self.client.delivered.model)
-        self.client.delivered.note(chunk)
-        return self.client.writer.chunk(chunk, self.client.delivered.model)
+        self.client.delivered.note(rest)
+        return self.client.writer.chunk(rest, rest.model)
 
     def _produced(self, tokens: int, *, first: bool) -> Stop | None:
         """Content reached the client: the stall clock starts again, and the watch is told.
@@ -541,10 +506,3 @@ class _Forward:
     def take(self) -> bytes:
         run = self._buffer[self._start : self._end]
         return b"".join((*self._runs, run)) if self._runs else run
-
-
-def _as_chunk(item: Chunk | str, model: str | None) -> Chunk:
-    """A decoded event as a chunk (text alone, as the text of a plain content chunk)."""
-    if isinstance(item, Chunk):
-        return item
-    return Chunk(item, True, True, NO_PIECES, "", "", 1, None, None, None, False, model, None, None)
