@@ -48,10 +48,10 @@ class Delivered:
     """The answer so far, as the client has it or will have it once released (no text
     kept beyond the request)."""
 
+    # Its text, one entry a content piece (the relay appends text alone here directly).
     texts: list[str] = field(default_factory=list)
-    # Pieces of output of every kind (text, reasoning, refusal, tool-call pieces): the
-    # token count when no upstream reports one.
-    outputs: int = 0
+    # Pieces of output other than text (reasoning, refusal, tool-call pieces).
+    others: int = 0
     # The outputs of the legs before the one serving (a spliced answer).
     spent: int = 0
     # The serving leg's own completion tokens, when it reported them.
@@ -73,6 +73,11 @@ class Delivered:
         return "".join(self.texts)
 
     @property
+    def outputs(self) -> int:
+        """Pieces of output of every kind: the token count when no upstream reports one."""
+        return len(self.texts) + self.others
+
+    @property
     def spliced(self) -> bool:
         return self.legs > 1
 
@@ -81,7 +86,9 @@ class Delivered:
         one leg of a spliced answer, which counts only that leg: rolegate sends its own)."""
         if chunk.content:
             self.texts.append(chunk.content)
-        self.outputs += chunk.outputs
+            self.others += chunk.outputs - 1
+        else:
+            self.others += chunk.outputs
         if chunk.tool_calls:
             tools = self.tools
             if tools is None:
@@ -161,8 +168,11 @@ class ClientStream:
         self.holding = buffered
         self._mark: _Mark | None = None
         self._served: dict[str, str] = {}
-        # Bytes went to the client since the keep-alive last looked.
+        # Bytes went to the client since the keep-alive last looked (it looks only while
+        # something is held, or nothing was shown yet).
         self._wrote = False
+        # The response writes go straight to while the answer flows (shown, nothing held).
+        self._live: web.StreamResponse | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
 
     @property
@@ -190,21 +200,23 @@ class ClientStream:
         self._served = served_headers
 
     async def write(self, data: bytes) -> None:
+        live = self._live
+        if live is not None:
+            # As `_guarded` does, inline: this runs once per network read of a stream.
+            if data:
+                try:
+                    await live.write(data)
+                except (ConnectionError, RuntimeError) as error:
+                    raise ClientGone(type(error).__name__) from None
+            return
         if self.holding:
             self._held += data
-            return
-        if not data:
-            return
-        if self.shown_at is None:
+        elif data:
             await self._first(data)
-            return
-        assert self.response is not None
-        self._wrote = True
-        # As `_guarded` does, inline: this runs once per network read of a stream.
-        try:
-            await self.response.write(data)
-        except (ConnectionError, RuntimeError) as error:
-            raise ClientGone(type(error).__name__) from None
+
+    def _flow(self) -> None:
+        """Writes go straight out from now on when the answer is shown and nothing held."""
+        self._live = self.response if self.shown_at is not None and not self.holding else None
 
     async def _first(self, data: bytes) -> None:
         """The answer's first bytes to reach the client (the stream is committed first, if
@@ -214,6 +226,7 @@ class ClientStream:
         assert self.response is not None
         self.shown_at = self._clock()
         self._wrote = True
+        self._flow()
         await self._guarded(self.response.write(data))
 
     async def _commit(self, served_headers: dict[str, str]) -> None:
@@ -232,6 +245,7 @@ class ClientStream:
             return
         self._mark = _Mark(len(self._held), self.delivered.snapshot())
         self.holding = True
+        self._flow()
         self.keep_alive()
 
     def back_to_mark(self) -> None:
@@ -245,11 +259,13 @@ class ClientStream:
         self._mark = None
         self.complete = False
         self.holding = self.buffered
+        self._flow()
 
     async def release(self) -> None:
         """The complete, judged answer: what was held goes out."""
         self.holding = False
         self._mark = None
+        self._flow()
         held, self._held = bytes(self._held), bytearray()
         await self.write(held)
         if self.response is None:
@@ -264,6 +280,7 @@ class ClientStream:
         self.delivered = Delivered()
         self.complete = False
         self.holding = self.buffered
+        self._flow()
 
     def splice(self) -> None:
         """A continuation takes over from what was delivered (SPEC B6, E5)."""
@@ -325,6 +342,7 @@ class ClientStream:
         """End a stream that broke after content reached the client: never a truncated answer
         presented as complete, an error event instead (SPEC E4)."""
         self.holding = False
+        self._flow()
         self._held = bytearray()
         await self.write(incomplete_event(message))
 
@@ -332,6 +350,7 @@ class ClientStream:
         """End a stream committed by keep-alives with rolegate's error, as an event (its
         status line, 200, is long gone)."""
         self.holding = False
+        self._flow()
         self._held = bytearray()
         assert self.response is not None
         await self.write(encode_event(error.payload()))

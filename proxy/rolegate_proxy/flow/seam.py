@@ -23,10 +23,6 @@ class Seam:
     # The client has content: the continuation's reasoning is not forwarded.
     drop_reasoning: bool
 
-    @property
-    def open(self) -> bool:
-        return self.splice is not None
-
     def through(self, chunk: Chunk) -> tuple[Chunk, bool]:
         """The chunk as the client gets it, and whether a stop sequence ended the answer
         at the seam. The very same chunk when nothing changed."""

@@ -292,23 +292,15 @@ class Relay:
                 if got is None:
                     return await self._ended()
                 events = got
-            tokens = 0
-            while True:
-                # Sliced and written here, not in a coroutine: this is every network read.
-                data, counted, pending = self._forwarded(events)
-                tokens += counted
-                if pending is None:
-                    await self.client.write(data)
-                    break
-                # An event that needs more than forwarding (rare): the rest of the read
-                # goes on where it was.
-                attended = await self._attend(data, pending)
+            # Sliced and written here, not in a coroutine: this is every network read.
+            data, tokens, pending = self._forwarded(events)
+            if pending is None:
+                await self.client.write(data)
+            else:
+                attended = await self._attended(data, tokens, pending, events)
                 if isinstance(attended, Stop):
                     return attended
-                if attended < 0:  # the tool calls begin: that event again, now held
-                    events = chain((pending,), events)
-                else:
-                    tokens += attended
+                tokens = attended
             if tokens and (stop := self._produced(tokens, first=first)) is not None:
                 return stop
             first = False
@@ -386,22 +378,21 @@ class Relay:
         or, while a continuation is checked at its seam, any of its output. That event is
         returned, taken from `events` but not forwarded; the rest of them are not read."""
         out = _Forward()
-        tokens = texts_only = 0
+        tokens = 0
         client = self.client
         delivered = client.delivered
         texts = delivered.texts
         seam = self.seam
-        at_seam = seam is not None and seam.open
+        at_seam = seam is not None and seam.splice is not None
         for sent in events:
             item, buffer, start, end = sent
             if type(item) is str:
                 if at_seam:
-                    delivered.outputs += texts_only
-                    return out.take(), tokens + texts_only, sent
+                    return out.take(), tokens, sent
                 # Text alone: all `Delivered.note` would take of it (the answer so far is
                 # the texts; whatever else the chunk named, an earlier chunk named first).
                 texts.append(item)
-                texts_only += 1
+                tokens += 1
             elif type(item) is Chunk:
                 if (
                     at_seam
@@ -409,17 +400,35 @@ class Relay:
                     or (item.tool_calls and not client.holds_tools)
                     or (item.reasoning and seam is not None and seam.drop_reasoning)
                 ):
-                    delivered.outputs += texts_only
-                    return out.take(), tokens + texts_only, sent
+                    return out.take(), tokens, sent
                 if not delivered.note(item):
                     continue
                 tokens += item.outputs
             elif item is Kind.DONE:
-                delivered.outputs += texts_only
-                return out.take(), tokens + texts_only, sent
+                return out.take(), tokens, sent
             out.add(buffer, start, end)
-        delivered.outputs += texts_only
-        return out.take(), tokens + texts_only, None
+        return out.take(), tokens, None
+
+    async def _attended(
+        self, data: bytes, tokens: int, pending: Sent, events: Iterator[Sent]
+    ) -> Stop | int:
+        """The rest of a read that held an event needing more than forwarding (rare): each
+        such event attended to, the others forwarded; the Stop one makes, else the pieces
+        of output the read carried."""
+        while True:
+            attended = await self._attend(data, pending)
+            if isinstance(attended, Stop):
+                return attended
+            if attended < 0:  # the tool calls begin: that event again, now held
+                events = chain((pending,), events)
+            else:
+                tokens += attended
+            data, counted, next_pending = self._forwarded(events)
+            tokens += counted
+            if next_pending is None:
+                await self.client.write(data)
+                return tokens
+            pending = next_pending
 
     async def _attend(self, data: bytes, sent: Sent) -> Stop | int:
         """An event `_forwarded` stopped at, after the bytes before it: the Stop it makes,
