@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rolegate_policy.signatures import Signature
+from rolegate_proxy.core.tokens import wide_bytes
 from rolegate_proxy.core.tool_calls import (
     NO_TOOLS,
     DeclaredTools,
@@ -186,3 +187,28 @@ def test_what_the_writer_writes_the_reader_reads_back(
     assert payload["object"] == "chat.completion.chunk"
     assert openai.read_chunk(payload, named=False) == chunk
     json.loads(event[6:])  # one JSON document, whatever the text held
+
+
+def test_a_seam_changes_a_providers_event_only_where_it_must() -> None:
+    """The echo trimmed from a llama-server event keeps the logprobs of the token it
+    generated, its id and its fingerprint; reasoning held back goes, the rest stays."""
+    logprobs = {"content": [{"id": 3730, "token": " blue", "logprob": -2.29}]}
+    event = b"data: " + orjson.dumps({
+        "id": "chatcmpl-1", "system_fingerprint": "b0", "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "finish_reason": None, "logprobs": logprobs,
+                     "delta": {"content": "The sea is wide and blue", "reasoning_content": "hm"}}],
+    }) + b"\n\n"  # fmt: skip
+    trimmed = _chunk({"content": " blue"})
+    payload = decode_event_json(openai.ChunkReader.rewrite(event, trimmed)[6:-2])
+    choice = payload["choices"][0]
+    assert choice["delta"] == {"content": " blue"}
+    assert choice["logprobs"] == logprobs
+    assert (payload["id"], payload["system_fingerprint"]) == ("chatcmpl-1", "b0")
+
+
+@pytest.mark.parametrize(
+    ("text", "wide"),
+    [("plain ascii", 0), ("café", 1), ("日本", 4), ("🎉", 3), ("𓀀𓀁", 6), ("", 0)],
+)
+def test_a_characters_wide_bytes_are_the_tokens_byte_fallback_may_add(text: str, wide: int) -> None:
+    assert wide_bytes(text) == wide

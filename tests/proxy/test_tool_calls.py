@@ -49,6 +49,7 @@ TOOLS: Any = [
 ]
 PROMPT: Any = [{"role": "user", "content": "write the poem to poem.txt, then read my notes"}]
 LONG = " ".join(f"w{i}—é" for i in range(40))
+PLAIN = " ".join(f"word{i}" for i in range(40))
 # About a second and a half of arguments at 100 pieces a second.
 LONG_CALL = ("write_file", json.dumps({"path": "long.txt", "content": "la " * 250}))
 
@@ -116,10 +117,11 @@ CASES = (
         a_speed=(0.0, 100.0),
         a_published=(0.01, 100.0),
         b_published=(0.05, 50.0),
-    ),  # fmt: skip
+    ),
     Case("echo", (fresh("cut", afterTokens=5),), b_echoes=True, b_declared_echo=True),
     Case("echo-undeclared", (fresh("cut", afterTokens=5),), b_echoes=True),
-    Case("max-tokens", (fresh("cut", afterTokens=7),), reply=LONG, calls=()),
+    Case("max-tokens", (fresh("cut", afterTokens=7),), reply=PLAIN, calls=()),
+    Case("max-tokens-wide", (fresh("cut", afterTokens=2),), reply=LONG, calls=()),
     Case("max-tokens-reached", (fresh("cut", afterTokens=12),), reply=LONG, calls=()),
     Case("reasoning", (fresh("cut", afterTokens=REASONING_PIECES + 3),), reasoning=REASONING),
     Case("cut-in-reasoning", (fresh("cut", afterTokens=3),), reasoning=REASONING),
@@ -367,12 +369,24 @@ async def test_an_echo_from_a_machine_not_declared_to_echo_is_not_guessed_at(rig
 async def test_max_tokens_holds_across_a_handover(rig: Rig) -> None:
     answer = await ask(rig, "max-tokens", tools=None, max_tokens=20)
     # Exactly what one machine would write under the same limit.
-    assert answer.content == "".join(tokenize(LONG)[:20])
+    assert answer.content == "".join(tokenize(PLAIN)[:20])
     assert answer.finish == "length"
     assert answer.usage.completion_tokens == 20
     assert answer.usage.model_extra["estimated"] is True
     _, rescue = await records(rig)
     assert (rescue["machine"], rescue["tokens_sent"]) == ("b", 13)
+
+
+async def test_max_tokens_is_never_exceeded_whatever_the_text_costs(rig: Rig) -> None:
+    """Two pieces of `w0—é ` were delivered: each may have been written in byte tokens (one
+    a byte of its `—` and `é`), so the continuation is asked for what is left of the limit
+    after the most they can have been, and the answer stops short of it rather than past."""
+    answer = await ask(rig, "max-tokens-wide", tools=None, max_tokens=20)
+    _, rescue = await records(rig)
+    at_most = 20 - 2 * (1 + 2 + 1)  # two pieces, and each one's two wide bytes and one
+    assert rescue["tokens_sent"] == at_most
+    assert answer.content == "".join(tokenize(LONG)[: 2 + at_most])
+    assert answer.finish == "length"
 
 
 async def test_an_answer_that_broke_at_its_token_limit_ends_there(rig: Rig) -> None:

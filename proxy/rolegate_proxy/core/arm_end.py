@@ -112,8 +112,9 @@ class Answered(NamedTuple):
     finish_reason: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    # Content deltas relayed: the token estimate when a stream carries no usage.
-    content_deltas: int = 0
+    # Its pieces of output of every kind (`core.tokens`): the likely token count when a
+    # stream carries no usage.
+    estimated_tokens: int = 0
     # The finish was the upstream's length cap, not the caller's own max_tokens.
     capped_by_upstream: bool = False
 
@@ -219,7 +220,7 @@ def sighting(end: ArmEnd, belief: MachineBelief | None) -> Sighting | None:
 def _completion_sighting(
     end: ArmEnd, machine: str, answer: Answered, belief: MachineBelief | None
 ) -> Sighting:
-    tokens = answer.completion_tokens or answer.content_deltas
+    tokens = answer.completion_tokens or answer.estimated_tokens
     if tokens <= 0:
         return Sighting(end.provider, end.model, machine, end.ended_at, ttft=end.seconds)
     ttft_share, gap_share = REFERENCE_TTFT, REFERENCE_GAP

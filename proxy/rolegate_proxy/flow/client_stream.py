@@ -22,6 +22,7 @@ from typing import Final
 
 from aiohttp import web
 
+from ..core.tokens import wide_bytes
 from ..core.tool_calls import ToolCalls
 from ..wire.answers import Chunk
 from ..wire.chat_request import ChatRequest
@@ -50,9 +51,11 @@ class Delivered:
 
     # Its text, one entry a content piece (the relay appends text alone here directly).
     texts: list[str] = field(default_factory=list)
-    # Pieces of output other than text (reasoning, refusal, tool-call pieces).
+    # Its pieces of output other than text (reasoning, refusal, tool-call pieces), and
+    # their wide bytes (`core.tokens`).
     others: int = 0
-    # The outputs of the legs before the one serving (a spliced answer).
+    others_wide: int = 0
+    # The pieces of the legs before the one serving (a spliced answer).
     spent: int = 0
     # The serving leg's own completion tokens, when it reported them.
     leg_tokens: int | None = None
@@ -73,9 +76,16 @@ class Delivered:
         return "".join(self.texts)
 
     @property
-    def outputs(self) -> int:
-        """Pieces of output of every kind: the token count when no upstream reports one."""
+    def pieces(self) -> int:
+        """Its pieces of output of every kind: the likely token count when no upstream
+        reports one (`core.tokens`)."""
         return len(self.texts) + self.others
+
+    @property
+    def most_tokens(self) -> int:
+        """The most tokens its output can have been (`core.tokens`): what a handover takes
+        off the caller's limit, so that the answer never goes past it."""
+        return self.pieces + wide_bytes(self.text) + self.others_wide
 
     @property
     def spliced(self) -> bool:
@@ -86,9 +96,9 @@ class Delivered:
         one leg of a spliced answer, which counts only that leg: rolegate sends its own)."""
         if chunk.content:
             self.texts.append(chunk.content)
-            self.others += chunk.outputs - 1
-        else:
-            self.others += chunk.outputs
+        if chunk.outputs > bool(chunk.content):
+            self.others += chunk.outputs - bool(chunk.content)
+            self.others_wide += _other_wide_bytes(chunk)
         if chunk.tool_calls:
             tools = self.tools
             if tools is None:
@@ -110,14 +120,20 @@ class Delivered:
 
     def usage(self, prompt_estimate: int) -> tuple[int, int]:
         """The prompt and completion tokens rolegate reports when no upstream's usage can
-        be forwarded: the upstream's prompt count or the estimate, and the legs' outputs
+        be forwarded: the upstream's prompt count or the estimate, and the legs' tokens
         summed (the serving leg's own count when it gave one)."""
-        leg = self.outputs - self.spent if self.leg_tokens is None else self.leg_tokens
+        leg = self.pieces - self.spent if self.leg_tokens is None else self.leg_tokens
         return self.prompt_tokens or prompt_estimate, self.spent + leg
 
     def snapshot(self) -> Delivered:
         """A copy to go back to (the lists copied where they grow)."""
         return replace(self, texts=list(self.texts), tools=None)
+
+
+def _other_wide_bytes(chunk: Chunk) -> int:
+    """The wide bytes of a chunk's output other than its text."""
+    arguments = "".join(piece.arguments for piece in chunk.tool_calls)
+    return wide_bytes(chunk.reasoning + chunk.refusal + arguments)
 
 
 @dataclass(slots=True)
@@ -286,7 +302,7 @@ class ClientStream:
         """A continuation takes over from what was delivered (SPEC B6, E5)."""
         delivered = self.delivered
         delivered.legs += 1
-        delivered.spent = delivered.outputs
+        delivered.spent = delivered.pieces
         delivered.leg_tokens = None
 
     # -- keep-alives ----------------------------------------------------------------------

@@ -158,13 +158,13 @@ class Delivery:
         delivered = client.delivered
         finish = delivered.finish_reason
         return Answered(
-            finish, delivered.prompt_tokens, delivered.completion_tokens, delivered.outputs,
+            finish, delivered.prompt_tokens, delivered.completion_tokens, delivered.pieces,
             capped_by_upstream=finish == "length" and not self.host.chat.client_capped(finish),
         )  # fmt: skip
 
     def _at_limit(self, client: ClientStream) -> bool:
         """What was delivered already reaches the caller's token limit."""
-        budget = self.host.chat.token_budget(client.continuable.outputs)
+        budget = self.host.chat.token_budget(client.continuable.most_tokens)
         return budget is not None and budget <= 0
 
     # -- the ends -------------------------------------------------------------------------
@@ -310,8 +310,9 @@ class Delivery:
         afresh = afresh or not base.texts
         seam = None if afresh else base.text
         budget = max(self.host.deadline - self.now(), 0.0)
-        onward = self.arms.run(attempt, budget, ArmAct.CONTINUED, 0 if afresh else base.outputs)
-        chat = self.host.chat if seam is None else self.host.chat.continued(seam, base.outputs)
+        spent = 0 if afresh else base.most_tokens
+        onward = self.arms.run(attempt, budget, ArmAct.CONTINUED, spent)
+        chat = self.host.chat if seam is None else self.host.chat.continued(seam, spent)
         try:
             opened = await self.arms.open(onward, chat)
         except ArmFailed as failure:

@@ -107,7 +107,7 @@ class Recorder:
             decision.tokens_in = answer.prompt_tokens
             decision.tokens_out = answer.completion_tokens
             if answer.completion_tokens is None and end.streamed:
-                decision.tokens_out = answer.content_deltas
+                decision.tokens_out = answer.estimated_tokens
                 decision.tokens_estimated = True
         decision.cost_usd = _cost(
             self._sheet(config, end.provider, end.model, end.machine),

@@ -4,8 +4,9 @@ A machine that takes an answer over (a move, a rescue) writes the rest of it, an
 first of what it writes is checked at the seam (`core.splice.Splice`): an echo of the
 delivered text from a machine declared to echo is dropped, a stop sequence across the
 seam ends the answer there. Once the client has content, the continuation's reasoning is
-held back: it would land after the answer had begun. An event that changes here is
-written anew by the caller's writer; every other event is the upstream's own bytes.
+held back: it would land after the answer had begun. An event that changes here is the
+provider's event with that change alone (its reader's `rewrite`: ids and logprobs kept);
+every other event is the upstream's own bytes.
 """
 
 from __future__ import annotations

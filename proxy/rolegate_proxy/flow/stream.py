@@ -11,7 +11,9 @@ more is read), a break (cut, silence, an error event), a rate act that can move 
 stream, or the client leaving (`ClientGone`, raised by the client stream).
 
 A continuation's events pass its seam with what the client has (`seam.py`): the few that
-change there are written anew (`ChatWriter`), every other one is the upstream's own bytes.
+change there are the provider's events with only that changed (its reader's `rewrite`),
+every other one is the upstream's own bytes; what rolegate adds of its own (a finish at
+the seam, text the seam held to the end) its writer writes (`ChatWriter`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class Reads:
         self._framer = EventFramer()
         self._reader = wire.stream_reader(named=named)
         self._on_malformed = on_malformed
+
+    def rewrite(self, event: bytes, chunk: Chunk) -> bytes:
+        """The provider's event saying `chunk`'s text and reasoning instead (`StreamReader`)."""
+        return self._reader.rewrite(event, chunk)
 
     async def next(self) -> Iterator[Sent] | None:
         """The events the next network reads complete; None at the stream's clean end."""
@@ -452,7 +458,7 @@ class Relay:
             estimated = await client.finish(data, reason="stop")
             return Stop(StopKind.DONE, usage_estimated=estimated)
         if passed.tool_calls and not client.holds_tools:
-            if client.delivered.outputs:
+            if client.delivered.texts or client.delivered.others:
                 await client.write(data)
                 data = b""
             # (Else what came before is no answer yet, the role chunk say: held with it,
@@ -462,10 +468,11 @@ class Relay:
                 await client.write(data)
                 return -1
         if passed is not chunk:
-            # Written anew: what the upstream sent is not what the client gets.
+            # Not what the upstream sent: its event, changed only where the seam changed it
+            # (dropped when nothing is left of it).
             if passed.has_content or passed.has_usage:
                 client.delivered.note(passed)
-                data += client.writer.chunk(passed, client.delivered.model)
+                data += self.opened.reads.rewrite(sent[1][sent[2] : sent[3]], passed)
             await client.write(data)
             return passed.outputs
         if client.delivered.note(passed):

@@ -35,6 +35,11 @@ class StreamReader(Protocol):
         Raises `sse.MalformedEvent` for data that is not a JSON object."""
         ...
 
+    def rewrite(self, event: bytes, chunk: Chunk) -> bytes:
+        """The event (one block, as framed) saying `chunk`'s text and reasoning instead of
+        its own, all else it said kept: a seam's change to a provider's own bytes."""
+        ...
+
 
 class WireProtocol(Protocol):
     def chat_url(self, endpoint: str) -> str: ...

@@ -25,7 +25,7 @@ from .answers import NO_PIECES, Chunk, Completion, NotTheProtocol, UpstreamError
 from .caller_provider import NO_PREFERENCES, CallerProvider
 from .chat_request import EncodedBody
 from .names import upstream_name
-from .sse import decode_event_json
+from .sse import decode_event_json, encode_event, event_data
 
 # Error codes and types the OpenAI-compatible servers we know send; one of these may be
 # repeated in a decision row or to the client. Anything else is left out.
@@ -210,6 +210,26 @@ class ChunkReader:
         # The bytes around the text of the content delta learned from; none yet.
         self._before: bytes | None = None
         self._after = b""
+
+    @staticmethod
+    def rewrite(event: bytes, chunk: Chunk) -> bytes:
+        """The event (one block, as framed) saying `chunk`'s text and reasoning instead of
+        its own, and nothing else changed: its ids, its logprobs, its finish, its tool
+        calls and usage stay the provider's. For a seam in a stream whose caller speaks
+        this protocol too (an echo trimmed, reasoning held back)."""
+        payload = decode_event_json(event_data(event))
+        choices = payload.get("choices")
+        first = choices[0] if type(choices) is list and choices else None
+        delta = first.get("delta") if type(first) is dict else None
+        if type(delta) is dict:
+            if chunk.content:
+                delta["content"] = chunk.content
+            elif _text(delta, "content"):
+                delta["content"] = ""
+            if not chunk.reasoning:
+                for name in ("reasoning_content", "reasoning"):
+                    delta.pop(name, None)
+        return encode_event(payload)
 
     def read(self, data: bytes) -> Chunk | str:
         """The event's chunk, or (a content delta like the one learned from) its text.

@@ -141,6 +141,16 @@ def _parse_block(block: bytes) -> tuple[Kind, bytes] | None:
     return None
 
 
+def event_data(block: bytes) -> bytes:
+    """The data of one complete event block as the framer handed it out (its lines and
+    the blank line ending it): its `data:` lines joined by LF."""
+    block = block.rstrip(b"\n")
+    if block.startswith(_DATA_LINE) and b"\n" not in block:
+        return block[6:]
+    parsed = _parse_block(block)
+    return b"" if parsed is None else parsed[1]
+
+
 class MalformedEvent(ValueError):
     """An event whose data is not UTF-8 JSON; skipped and counted, never fatal (E4)."""
 
