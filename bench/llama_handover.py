@@ -75,6 +75,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -352,10 +353,10 @@ class Llama:
     """One llama-server, by its machine name in the ProviderPolicy."""
 
     machine: str
-    port: int
-    argv: list[str]
+    argv: list[str]  # without its address
     env: dict[str, str]
     processes: Processes
+    port: int = 0  # chosen at its first start, kept (the ProviderPolicy names it)
     proc: Proc | None = None
     starts: int = 0
     slowdown: Slowdown | None = None
@@ -369,11 +370,31 @@ class Llama:
         assert self.proc is not None
         return self.proc.popen.pid
 
-    async def start(self) -> None:
-        self.starts += 1
-        name = self.machine if self.starts == 1 else f"{self.machine}-{self.starts}"
-        self.proc = self.processes.start(name, self.argv, env=self.env)
-        await self.proc.ready(f"{self.url}/health", within=120)
+    async def start(self, http: httpx.AsyncClient) -> None:
+        """Start it and wait for its model to load. A free port may be taken by another
+        program before the server binds it: the first start then tries another."""
+        for _ in range(1 if self.port else 3):
+            port = self.port or free_port()
+            self.starts += 1
+            name = self.machine if self.starts == 1 else f"{self.machine}-{self.starts}"
+            argv = [*self.argv, "--host", "127.0.0.1", "--port", str(port)]
+            self.proc = self.processes.start(name, argv, env=self.env)
+            if await self._loaded(http, f"http://127.0.0.1:{port}", within=120):
+                self.port = port
+                return
+        log = self.proc.log if self.proc else "none"
+        raise SystemExit(f"{self.machine} did not start; its output: {log}")
+
+    async def _loaded(self, http: httpx.AsyncClient, url: str, within: float) -> bool:
+        """Until it says which model it serves (`GET /props`): True; False if it exits."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline and self.alive():
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                response = await http.get(f"{url}/props")
+                if response.status_code == 200 and "model_path" in response.json():
+                    return True
+            await asyncio.sleep(0.2)
+        return False
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.popen.poll() is None
@@ -514,7 +535,7 @@ class Rig:
     async def ready(self) -> None:
         for llama in self.llamas.values():
             if not llama.alive():
-                await llama.start()
+                await llama.start(self.http)
             await llama.idle(self.http)
 
     async def decision(self, request_id: str) -> dict[str, Any]:
@@ -962,10 +983,9 @@ async def measure(http: httpx.AsyncClient, llama: Llama) -> tuple[float, float]:
     return ttft, rate
 
 
-def llama_argv(server: Path, model: Path, port: int, template: Path) -> list[str]:
+def llama_argv(server: Path, model: Path, template: Path) -> list[str]:
     """One thread, one slot (a request at a time, as the rounds send them), the template."""
-    return [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-t", "1", "-np", "1", "-c", "4096", "--jinja",
+    return [str(server), "-m", str(model), "-t", "1", "-np", "1", "-c", "4096", "--jinja",
             "--chat-template-file", str(template)]  # fmt: skip
 
 
@@ -979,38 +999,54 @@ def llama_version(server: Path) -> str:
 
 
 async def start_proxy(processes: Processes, root: Path, manifests: list[dict[str, Any]]) -> str:
-    """`rolegate proxy --manifests` on a free port: its URL, once ready."""
+    """`rolegate proxy --manifests` on a free port: its URL, once ready. (It exits when the
+    port was taken meanwhile: then another.)"""
     write_manifests(root / "manifests", manifests)
-    port = free_port()
-    argv = [rolegate_command(), "proxy", "--manifests", str(root / "manifests"),
-            "--port", str(port), "--seed", "1"]  # fmt: skip
-    proxy = processes.start("rolegate", argv)
-    url = f"http://127.0.0.1:{port}"
-    await proxy.ready(f"{url}/readyz", within=30)
-    return url
+    for attempt in range(3):
+        port = free_port()
+        argv = [rolegate_command(), "proxy", "--manifests", str(root / "manifests"),
+                "--port", str(port), "--seed", "1"]  # fmt: skip
+        proxy = processes.start(f"rolegate-{attempt + 1}", argv)
+        url = f"http://127.0.0.1:{port}"
+        with contextlib.suppress(SystemExit):
+            await proxy.ready(f"{url}/readyz", within=30)
+            proxy.check_alive()
+            return url
+    raise SystemExit(f"rolegate proxy did not start; its output: {proxy.log}")
 
 
 async def main(args: argparse.Namespace) -> int:
     server, model = find_llama(args)
-    started = time.monotonic()
     outcomes: list[Outcome] = []
-    with (
-        tempfile.TemporaryDirectory(prefix="rolegate-llama-") as folder,
-        Processes(Path(folder)) as processes,
-    ):
-        root = Path(folder)
+    # The processes' logs, kept when the run fails.
+    root = Path(tempfile.mkdtemp(prefix="rolegate-llama-"))
+    kept = True
+    try:
+        kept = await run(args, server, model, root, outcomes)
+    finally:
+        if kept:
+            print(f"the servers' and the proxy's logs: {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root)
+    return 1 if any(outcome.problems for outcome in outcomes) else 0
+
+
+async def run(
+    args: argparse.Namespace, server: Path, model: Path, root: Path, outcomes: list[Outcome]
+) -> bool:
+    """Start everything, play the rounds into `outcomes`, publish the report; whether a
+    round failed."""
+    started = time.monotonic()
+    with Processes(root) as processes:
         template = root / "template.jinja"
         template.write_text(TEMPLATE)
-        llamas: dict[str, Llama] = {}
-        for machine in MACHINES:
-            port = free_port()
-            argv = llama_argv(server, model, port, template)
-            llamas[machine] = Llama(machine, port, argv, llama_env(server), processes)
+        argv = llama_argv(server, model, template)
+        llamas = {m: Llama(m, argv, llama_env(server), processes) for m in MACHINES}
         async with httpx.AsyncClient(timeout=120) as http:
             published, policies = [], []
             echoes = not args.echo_undeclared
             for llama in llamas.values():
-                await llama.start()
+                await llama.start(http)
                 ttft, rate = await measure(http, llama)
                 published.append(f"{llama.machine} {ttft:.2f} s, {rate:.1f} tok/s")
                 policies.append(provider_policy(llama, ttft, rate, echoes=echoes))
@@ -1041,7 +1077,7 @@ async def main(args: argparse.Namespace) -> int:
         f"{time.monotonic() - started:.0f}s; " + where_it_ran(),
     ]
     publish(rows, args.out)
-    return 1 if any(outcome.problems for outcome in outcomes) else 0
+    return any(outcome.problems for outcome in outcomes)
 
 
 if __name__ == "__main__":
