@@ -17,7 +17,9 @@ header) is broken or slowed while it streams:
   moves the stream, some pieces later). Rolegate holds a call until it is whole, so the
   trigger is the server's own progress (`GET /slots`, `n_decoded`), not the client's.
 - 10 plain-text answers with `max_tokens` 48: 5 rescued and 5 moved after N text deltas
-  have reached the client.
+  have reached the client. Two of them (15 and 16) are written in characters the model's
+  vocabulary spells in byte tokens (Egyptian hieroglyphs, Ugaritic: three or four tokens a
+  character), which llama-server sends a character to an event.
 A killed server is started again before the next round.
 
 Checked for every round (a failed check fails the run, exit status 1):
@@ -32,12 +34,13 @@ Checked for every round (a failed check fails the run, exit status 1):
   and the text before it once;
 - text: the answer is exactly the delivered text followed by the continuing server's own
   output (its slot's `generated`): nothing twice, nothing lost; the tokens the two servers
-  generated for it (a `logprobs` entry each), the continuation's `max_tokens` plus what
-  was delivered, and the usage chunk's `completion_tokens` (asked with
-  `stream_options.include_usage`) are at most `max_tokens`. So is the answer's length by
-  the server's own tokenizer (`POST /tokenize`), unless the model wrote a sequence the
-  tokenizer reads back as more tokens than were generated (` subtree` + `model` reads as
-  ` sub` `tre` `em` `odel`): then the report names it.
+  generated for it (each delta's `logprobs` entries, or the tokenizer's cut of its text
+  where that has more), the continuation's `max_tokens` plus the tokens delivered, and the
+  usage chunk's `completion_tokens` (asked with `stream_options.include_usage`) are at
+  most `max_tokens`. So is the answer's length by the server's own tokenizer
+  (`POST /tokenize`), unless the model wrote a sequence the tokenizer reads back as more
+  tokens than were generated (` subtree` + `model` reads as ` sub` `tre` `em` `odel`):
+  then the report names it.
 
 Install (once, about 10 minutes; `ROLEGATE_LLAMA_DIR` defaults to
 `${ROLEGATE_CACHE:-~/.cache/rolegate}/llama`):
@@ -225,13 +228,20 @@ EARLIER_TEXT: Any = [
         "and birds sing in the morning. At night owls hunt and the wind moves the leaves.",
     },
 ]
+# Characters the model's vocabulary has no token for: each is written in byte tokens (three
+# or four), and llama-server sends a character's tokens in one event.
+SYMBOLS = "𓀀𓀁𓀂𓀃 𐎀𐎁𐎂 ꙮ ⸻ 𓀀𓀁𓀂𓀃"
+EARLIER_SYMBOLS: Any = [
+    {"role": "user", "content": f"Repeat exactly: {SYMBOLS}"},
+    {"role": "assistant", "content": SYMBOLS},
+]
 TOPICS = (
     "the sea",
     "the moon",
     "the desert",
     "a river",
-    "the mountains",
-    "the rain",
+    SYMBOLS,
+    SYMBOLS,
     "a city at night",
     "the winter",
     "a garden",
@@ -243,8 +253,8 @@ TOPICS = (
 # every handover comes before the call's last argument piece (about 25).
 TOOL_RESCUE_POINTS = (2, 6, 10, 14, 18)
 TOOL_MOVE_POINTS = (1, 3, 5, 7, 9)
-TEXT_RESCUE_POINTS = (2, 9, 17, 30, 44)
-TEXT_MOVE_POINTS = (3, 6, 10, 14, 20)
+TEXT_RESCUE_POINTS = (2, 9, 5, 30, 44)
+TEXT_MOVE_POINTS = (3, 6, 3, 14, 20)
 
 
 def install_help(llama_dir: Path) -> str:
@@ -455,6 +465,8 @@ class Round:
         if self.answer == "tool":
             days = dict(CITIES)[self.subject]
             return [*EARLIER, {"role": "user", "content": _asked(self.subject, days)}]
+        if self.subject == SYMBOLS:
+            return [*EARLIER_SYMBOLS, {"role": "user", "content": f"Again, exactly: {SYMBOLS}"}]
         return [*EARLIER_TEXT, {"role": "user", "content": f"Tell me about {self.subject}."}]
 
 
@@ -483,18 +495,6 @@ class Assembled:
     # a server generated (the text rounds ask for it).
     deltas: list[tuple[str, list[str]]] = field(default_factory=list)
     error: str | None = None
-
-    def legs(self, chars: int) -> tuple[list[str], list[str]]:
-        """The tokens generated for the first `chars` characters, and for the rest; a delta
-        whose tokens did not come with it counts as one, its text (llama-server sends a
-        token an event)."""
-        before: list[str] = []
-        after: list[str] = []
-        at = 0
-        for text, tokens in self.deltas:
-            (before if at < chars else after).extend(tokens or [text])
-            at += len(text)
-        return before, after
 
     def bare(self) -> int:
         """Content deltas that came without their tokens (`logprobs`)."""
@@ -675,8 +675,11 @@ def check_arms(outcome: Outcome, decision: dict[str, Any]) -> None:
     A first token later than the machine's belief may have raced the other machine first:
     the loser's arm is cancelled, and no part of the answer."""
     rnd, answer = outcome.round, outcome.answer
-    outcome.arms = ", ".join(f"{arm['machine']} {arm['result']}" for arm in decision["arms"])
-    arms = [arm for arm in decision["arms"] if arm["act"] != "raced"]
+    outcome.arms = ", ".join(
+        f"{arm['machine']} {arm['result']}" + (f" ({arm['act']})" if arm["act"] else "")
+        for arm in decision["arms"]
+    )
+    arms = [a for a in decision["arms"] if (a["result"], a["act"]) != ("cancelled", "raced")]
     if len(arms) < len(decision["arms"]):
         outcome.notes.append(f"arms: {outcome.arms} (a race before the first token)")
     broken = "broken_stream" if rnd.handover == "rescue" else "moved"
@@ -745,6 +748,10 @@ async def check_text(rig: Rig, then: Llama, slot: dict[str, Any], outcome: Outco
     """The delivered text, then the continuing machine's own, each once; within the limit."""
     answer = outcome.answer
     own = str(slot.get("generated", ""))
+    if answer.finish == "length":
+        # Stopped at its limit inside a character written in several tokens: llama-server
+        # does not send the part it has.
+        own = own.rstrip("\ufffd")
     rest = answer.content.removeprefix(outcome.delivered)
     outcome.check(
         not rest.startswith(outcome.delivered) or own.startswith(outcome.delivered),
@@ -755,9 +762,7 @@ async def check_text(rig: Rig, then: Llama, slot: dict[str, Any], outcome: Outco
         f"not the delivered text then {then.machine}'s own: {answer.content!r} "
         f"against {outcome.delivered!r} + {own!r}",
     )
-    # The tokens generated, a logprobs entry each (the continuation's first event, whose
-    # echo rolegate trims, comes without them: one token, llama-server sending one an event).
-    first_leg, second_leg = answer.legs(len(outcome.delivered))
+    first_leg, second_leg = await legs(rig, then, answer, len(outcome.delivered))
     outcome.generated = len(first_leg) + len(second_leg)
     outcome.check(
         outcome.generated <= TEXT_MAX_TOKENS,
@@ -801,7 +806,35 @@ async def check_text(rig: Rig, then: Llama, slot: dict[str, Any], outcome: Outco
             outcome.usage <= TEXT_MAX_TOKENS,
             f"usage says {outcome.usage} completion tokens, over {TEXT_MAX_TOKENS}",
         )
+        if outcome.usage != outcome.generated:
+            estimated = (usage.model_extra or {}).get("estimated")
+            outcome.notes.append(
+                f"the usage chunk says {outcome.usage} completion tokens"
+                + (" (estimated)" if estimated else "")
+                + f" where {outcome.generated} were generated"
+            )
     outcome.check(answer.finish in ("length", "stop"), f"finish_reason {answer.finish}")
+
+
+async def legs(
+    rig: Rig, llama: Llama, answer: Assembled, chars: int
+) -> tuple[list[str], list[str]]:
+    """The tokens generated for the first `chars` characters of the answer, and for the
+    rest: each content delta's `logprobs` entries, or the tokenizer's cut of its text when
+    that has more (llama-server sends a character written in byte tokens in one event,
+    with one entry; the continuation's first event, whose echo rolegate trims, comes with
+    none)."""
+    before: list[str] = []
+    after: list[str] = []
+    cut: dict[str, list[str]] = {}
+    at = 0
+    for text, entries in answer.deltas:
+        if text not in cut:
+            cut[text] = await llama.pieces(rig.http, text)
+        tokens = cut[text] if len(cut[text]) > len(entries) else entries
+        (before if at < chars else after).extend(tokens)
+        at += len(text)
+    return before, after
 
 
 def _first_difference(wrote: list[str], read: list[str]) -> tuple[list[str], list[str]] | None:
@@ -835,9 +868,16 @@ broken at: where the first was killed (rescue) or slowed to a tenth (move): the 
   pieces rolegate's rate test had seen when it moved the stream.
 deliv: characters delivered before the handover (the continuing server's prefill);
   asked: the continuation's max_tokens; gen: the tokens the two servers generated for the
-  answer (a logprobs entry each); tok: the answer's tokens by llama-server's /tokenize;
-  usage: the usage chunk's completion_tokens (text rounds: max_tokens 48).
+  answer (each delta's logprobs entries, or /tokenize of its text where that cuts more: a
+  character written in byte tokens comes in one event, with one entry); tok: the whole
+  answer's tokens by /tokenize; usage: the usage chunk's completion_tokens (text rounds:
+  max_tokens 48).
 Under each row, the answer as the client assembled it, with the handover marked |."""
+
+
+def _quoted(text: str) -> str:
+    """`text` as a JSON string, its characters as they are (control characters escaped)."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def _seam(outcome: Outcome) -> str:
@@ -845,7 +885,7 @@ def _seam(outcome: Outcome) -> str:
     answer = outcome.answer
     cut = len(outcome.delivered) if answer.content.startswith(outcome.delivered) else 0
     before, after = answer.content[:cut], answer.content[cut:]
-    shown = json.dumps(before[-40:])[:-1] + "|" + json.dumps(after[:40])[1:]
+    shown = _quoted(before[-40:])[:-1] + "|" + _quoted(after[:40])[1:]
     if answer.calls:
         calls = [f"{call['name']}({call['arguments']})" for call in answer.calls.values()]
         shown += " then " + ", ".join(calls)
@@ -893,7 +933,7 @@ def summary(outcomes: list[Outcome]) -> list[str]:
         lines.append(
             f"logprobs: in {len(bare)} of {len(text)} text rounds a content delta reached the "
             "client without its logprobs (the continuation's first: rolegate trims the echo "
-            "and writes the event anew, from its text); counted as one token"
+            "and writes the event anew, from its text); its tokens counted by /tokenize"
         )
     failed = [o for o in outcomes if o.problems]
     lines.append(
