@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint venv bench bench-peers bench-machines clean crds chart-crds dev-cluster control-plane lock
+.PHONY: demo test lint venv bench bench-peers bench-machines bench-llama clean crds chart-crds dev-cluster control-plane lock
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,13 @@ bench-peers: $(STAMP)
 # (bench/machines.py): about a minute.
 bench-machines: $(STAMP)
 	$(BIN)/python bench/machines.py
+
+# Exact handovers between two real llama-server processes (bench/llama_handover.py): tool
+# calls and text rescued or moved mid-stream, about 2.5 minutes. Needs llama-server and the
+# model under $${ROLEGATE_LLAMA_DIR:-$${ROLEGATE_CACHE:-~/.cache/rolegate}/llama}; without
+# them it says how to install them (about 10 minutes, once) and exits 2.
+bench-llama: $(STAMP)
+	$(BIN)/python bench/llama_handover.py
 
 clean:
 	rm -rf $(VENV)
