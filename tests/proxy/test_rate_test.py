@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Iterable, Sequence
 
 import pytest
@@ -459,6 +460,9 @@ def test_a_machine_believed_at_60_that_goes_silent_is_acted_on_within_3_seconds(
     assert act.movable
     assert "silent for" in act.detail
     assert act.at - last < 3.0
+    # The ratio it names is the one that decided: the silence's share counted in.
+    ratio, bound = map(float, re.findall(r"log LR (\S+) >= (\S+)", act.detail)[0])
+    assert ratio >= bound
 
 
 def test_a_silence_shorter_than_decisive_is_not_banked() -> None:

@@ -172,6 +172,8 @@ class _Decision:
     alternative: Alternative
     movable: bool
     detail: str
+    # The log likelihood ratio that decided: the gaps seen, and a silence's share.
+    llr: float
 
 
 # Not frozen: one is made for every token of a stream that has alternatives (the hot loop).
@@ -511,10 +513,14 @@ class Watch:
         hypotheses, worth = found
         assert self.last_at is not None
         silent = now - self.last_at
-        if math.floor(silent * hypotheses.behind_rate) >= self._silence_gaps_needed(worth):
-            self._decide(now, hypotheses, f"silent for {silent:.2f} s")
+        gaps = math.floor(silent * hypotheses.behind_rate)
+        if gaps >= self._silence_gaps_needed(worth):
+            # (The silence's share counted in the ratio that decided, not banked.)
+            self._decide(now, hypotheses, f"silent for {silent:.2f} s", self.llr + gaps * worth)
 
-    def _decide(self, now: float, hypotheses: _Hypotheses, seen: str) -> None:
+    def _decide(
+        self, now: float, hypotheses: _Hypotheses, seen: str, llr: float | None = None
+    ) -> None:
         alternative, rest = hypotheses.alternative, hypotheses.rest
         self._decision = _Decision(
             now,
@@ -523,6 +529,7 @@ class Watch:
             f"{seen}; kept at {hypotheses.keep_rate:.1f} tok/s, behind at "
             f"{hypotheses.behind_rate:.1f}; {alternative.key.describe()} would finish "
             f"{rest:.0f} tokens in {alternative.expected_seconds(rest):.1f} s",
+            self.llr if llr is None else llr,
         )
 
     def _detail(self, reading: Reading, now: float) -> str:
@@ -536,7 +543,7 @@ class Watch:
         if reading.reason is ActReason.RATE:
             assert self._decision is not None
             return (
-                f"rate: log LR {self.llr:.2f} >= {self.settings.upper:.2f} after "
+                f"rate: log LR {self._decision.llr:.2f} >= {self.settings.upper:.2f} after "
                 f"{self._decision.detail}{where}"
             )
         if reading.reason is ActReason.TTFT:
