@@ -272,10 +272,9 @@ class Delivery:
         """A stream that broke after its first output: the answer continues on the first
         machine that can take it over (SPEC E5), or None. Tool calls held when it broke
         are dropped: the machine that takes over writes its own."""
-        client.back_to_mark()
         if not self._may_splice() or self.now() >= self.host.deadline:
             return None
-        if not client.shown and not client.delivered.texts:
+        if not client.shown and not client.continuable.texts:
             return None  # nothing to go on from: the exchange starts the answer afresh
         broken = self.leg
         failed = self.arms.key(broken.run)
