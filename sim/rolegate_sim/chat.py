@@ -341,7 +341,9 @@ def _plan(
         if prefill and reply.startswith(prefill):
             tokens, token_json = tokenize(reply[len(prefill) :]), None
             if spec.echoes_prefill:
-                tokens = tokenize(prefill) + tokens
+                # As llama-server sends it: the prefill again, in the first event, with the
+                # first new token (the echo is not generated, so it is no piece of its own).
+                tokens = (prefill + tokens[0], *tokens[1:]) if tokens else (prefill,)
                 record.echoed_prefill = True
             # Mid-answer, the thinking is over (unless the machine thinks again); the tool
             # calls, if any, are still to come.

@@ -236,6 +236,8 @@ class Answer:
     finish: str | None = None
     usage: Any = None
     chunks: int = 0
+    # The ids of the chunks that carried text: whose events they are.
+    text_ids: set[str] = field(default_factory=set)
 
     @property
     def named_calls(self) -> list[tuple[str, str]]:
@@ -271,6 +273,8 @@ async def ask(rig: Rig, case: str, *, stream: bool = True, **extra: Any) -> Answ
             for choice in chunk.choices:
                 delta = choice.delta
                 answer.content += delta.content or ""
+                if delta.content:
+                    answer.text_ids.add(chunk.id)
                 answer.reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
                 # What agents do: a call's first delta opens it, later ones extend it.
                 for part in delta.tool_calls or []:
@@ -354,6 +358,10 @@ async def test_an_echoing_continuation_is_trimmed_so_no_text_comes_twice(rig: Ri
     answer = await ask(rig, "echo")
     assert answer.content == TEXT
     assert_sound(answer)
+    # The trimmed event is the upstream's own, changed only in its text (its id, and all
+    # else it said: logprobs, a fingerprint), never one rolegate made up.
+    assert len(answer.text_ids) == 2
+    assert all(chunk_id.startswith("gen-") for chunk_id in answer.text_ids)
     _, rescue = await records(rig)
     assert (rescue["machine"], rescue["echoed_prefill"]) == ("b", True)
 

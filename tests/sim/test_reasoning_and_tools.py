@@ -550,22 +550,21 @@ async def test_an_echoing_machine_resends_the_prefill_then_continues(
     )
     streamed = await chat(http, sim.url, body(stream=True, messages=_prefilled("one two thr")))
     contents = [d["content"] for d in streamed.deltas[1:-1]]
-    # The prefill exactly, tokenised like any text, then the rest of the reply.
-    assert contents[:3] == ["one ", "two ", "thr"]
-    assert contents[3:] == ["ee ", "four ", "five ", "six"]
+    # As llama-server: the prefill again, in one event with the first new token, then the rest.
+    assert contents == ["one two three ", "four ", "five ", "six"]
     assert streamed.text == REPLY
     plain = (await chat(http, sim.url, body(messages=_prefilled("one two thr")))).json()
     assert plain["choices"][0]["message"]["content"] == REPLY
-    assert plain["usage"]["completion_tokens"] == 7
-    # The echo counts against max_tokens (a real server counts generated tokens only).
+    # The echo is not generated: the tokens are the rest's four.
+    assert plain["usage"]["completion_tokens"] == 4
     capped = await chat(
-        http, sim.url, body(stream=True, max_tokens=4, messages=_prefilled("one two thr"))
+        http, sim.url, body(stream=True, max_tokens=2, messages=_prefilled("one two thr"))
     )
-    assert (capped.text, capped.finish_reason) == ("one two three ", "length")
+    assert (capped.text, capped.finish_reason) == ("one two three four ", "length")
     # A list of text parts is its joined text.
     parts = _prefilled([{"type": "text", "text": "one "}, {"type": "text", "text": "two"}])
     joined = await chat(http, sim.url, body(stream=True, messages=parts))
-    assert [d["content"] for d in joined.deltas[1:3]] == ["one ", "two"]
+    assert [d["content"] for d in joined.deltas[1:3]] == ["one two ", "three "]
     assert joined.text == REPLY
     # A prefill the reply does not start with: the whole reply, nothing echoed.
     whole = await chat(http, sim.url, body(stream=True, messages=_prefilled("zebra")))
@@ -574,8 +573,8 @@ async def test_an_echoing_machine_resends_the_prefill_then_continues(
         (r["continued_partial"], r["echoed_prefill"], r["tokens_sent"])
         for r in await records(http, sim.url)
     ]
-    # The parts' echo is two tokens, and the rest, " three four five six", five.
-    assert flags == [(True, True, 7)] * 2 + [(True, True, 4), (True, True, 7), (False, False, 6)]
+    # The parts' rest is " three four five six": a space, then four tokens.
+    assert flags == [(True, True, 4)] * 2 + [(True, True, 2), (True, True, 5), (False, False, 6)]
 
 
 async def test_a_machine_that_does_not_echo_sends_only_the_rest(
@@ -602,9 +601,9 @@ async def test_a_continuation_ends_with_the_tool_calls(
     streamed = await chat(
         http, sim.url, body(stream=True, tools=TOOLS, messages=_prefilled("Let me "))
     )
-    echoed = [{"content": "Let "}, {"content": "me "}] if echo else []
-    # No reasoning mid-answer: the rest of the text, then both calls.
-    assert streamed.deltas[1 : 2 + len(echoed)] == [*echoed, {"content": "check."}]
+    # No reasoning mid-answer: the rest of the text (the echo with it), then both calls.
+    assert streamed.deltas[1] == {"content": "Let me check." if echo else "check."}
+    assert "tool_calls" in streamed.deltas[2]
     assert streamed.reasoning == ""
     assert [(c["name"], c["arguments"]) for c in streamed.tool_calls] == [
         ("get_weather", WEATHER_ARGS),
@@ -623,20 +622,20 @@ async def test_a_continuation_ends_with_the_tool_calls(
     )
     assert done.text == (AGENT_REPLY if echo else "")
     assert len(done.tool_calls) == 2
-    calls_at = 1 + (3 if echo else 0)
+    calls_at = 1 + (1 if echo else 0)
     assert "tool_calls" in done.deltas[calls_at]
     # Without tools declared, the whole reply prefilled leaves nothing (or just the echo).
     nothing = await chat(http, sim.url, body(stream=True, messages=_prefilled(AGENT_REPLY)))
     assert (nothing.text, nothing.finish_reason) == (AGENT_REPLY if echo else "", "stop")
-    pieces = (3 if echo else 1) + 10
+    echoed = 1 if echo else 0  # an echo with nothing new after it is a piece of its own
     assert [
         (r["continued_partial"], r["echoed_prefill"], r["tokens_sent"], r["tool_calls_sent"])
         for r in await records(http, sim.url)
     ] == [
-        (True, echo, pieces, 2),
-        (True, echo, pieces, 2),
-        (True, echo, (3 if echo else 0) + 10, 2),
-        (True, echo, 3 if echo else 0, 0),
+        (True, echo, 1 + 10, 2),
+        (True, echo, 1 + 10, 2),
+        (True, echo, echoed + 10, 2),
+        (True, echo, echoed, 0),
     ]
 
 
