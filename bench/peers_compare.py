@@ -43,7 +43,7 @@ def rolegate_cells(path: Path) -> dict[Cell, float]:
         cells = re.split(r"\s{2,}", line.strip())
         if "rolegate" in cells or "rolegate - up" in cells:
             # A table whose rows name themselves has no title over that column.
-            columns = [""] + cells if line.startswith(" ") else cells
+            columns = ["", *cells] if line.startswith(" ") else cells
             continue
         heading = _TITLE.match(line)
         if heading and not _NUMBER.match(cells[-1].lstrip("+")):
