@@ -124,7 +124,9 @@ def test_schema_defaults_are_applied_and_agree_with_the_model(
     assert "maxCooldownSeconds" not in stored_provider["breaker"]
     assert stored_provider["breaker"]["cooldownSeconds"] == 10
     assert stored_provider["breaker"]["transportScope"] == "Provider"
-    assert stored_provider["degradedOutput"] == {"detectEmpty": True, "detectMangled": True}
+    assert stored_provider["degradedOutput"] == {
+        "detectEmpty": True, "detectMangled": True, "detectMalformedToolCalls": True
+    }  # fmt: skip
     assert stored_provider["timeouts"] == {"connectSeconds": 5, "idleSeconds": 60}
     assert "machines" not in stored_provider["models"][0]
     # What the API server stored means exactly what the model makes of the bare manifest.
