@@ -82,9 +82,11 @@ class Case:
     calls: tuple[tuple[str, str], ...] = tuple(CALLS)
     reasoning: str = ""
     a_speed: tuple[float, float] = (0.0, 0.0)  # the simulated machine's TTFT and rate
-    # What the ProviderPolicy publishes of each (TTFT, tokens per second).
+    # What the ProviderPolicy publishes of each (TTFT, tokens per second): `b` promises no
+    # first token soon enough to race `a` for one, however slow a loaded machine makes it,
+    # so each case's arms are the ones it is about.
     a_published: tuple[float, float] = (0.01, 1000.0)
-    b_published: tuple[float, float] = (0.05, 200.0)
+    b_published: tuple[float, float] = (1.0, 200.0)
     b_echoes: bool = False
     b_reasons_again: bool = False
     b_declared_echo: bool = False
@@ -553,7 +555,9 @@ async def test_wherever_a_stream_breaks_the_client_assembles_the_upstreams_answe
     assert answer.content.encode() == TEXT.encode()  # each byte once, in place
     assert_sound(answer)
     assert answer.finish == "tool_calls"
-    broken, rescue = await records(rig)
-    assert (broken["outcome"], broken["tokens_sent"]) == ("cut", cut)
-    # Some text had reached the client wherever the cut: the rescue went on from it.
-    assert rescue["continued_partial"]
+    # The break happened where it was drawn, and (some text had reached the client
+    # wherever the cut) the rescue went on from it. A loaded machine may add an arm: a
+    # late first token raced, say; what the client assembled is the property.
+    found = await records(rig)
+    assert [r["tokens_sent"] for r in found if r["outcome"] == "cut"] == [cut]
+    assert found[-1]["continued_partial"]
