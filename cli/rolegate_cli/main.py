@@ -88,6 +88,28 @@ def _parser() -> argparse.ArgumentParser:
         "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body"
     )
     proxy.add_argument(
+        "--max-event-bytes",
+        type=_positive_int,
+        default=None,
+        metavar="BYTES",
+        help="largest event of an upstream's stream; a bigger one is that arm's fault "
+        "(default: 4 MiB)",
+    )
+    proxy.add_argument(
+        "--max-answer-bytes",
+        type=_positive_int,
+        default=None,
+        metavar="BYTES",
+        help="largest upstream answer, streamed or not, after decompression (default: 64 MiB)",
+    )
+    proxy.add_argument(
+        "--max-decompression-ratio",
+        type=_positive_float,
+        default=None,
+        metavar="RATIO",
+        help="most an upstream answer past 1 MiB may decompress by (default: 200)",
+    )
+    proxy.add_argument(
         "--secrets-dir",
         type=Path,
         default=Path("/var/run/secrets/rolegate"),
@@ -459,6 +481,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
     from rolegate_proxy.edge.settings import ProxySettings
     from rolegate_proxy.edge.standalone import StandaloneConfigError, load_standalone_config
     from rolegate_proxy.edge.tracing import TracingUnavailable, from_environment
+    from rolegate_proxy.flow.answer_bounds import AnswerBounds
 
     try:
         # OpenTelemetry traces: off unless the standard OTEL_* environment asks for them.
@@ -498,6 +521,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         except OSError as error:
             print(f"rolegate proxy: cannot read --admin-token-file: {error}", file=sys.stderr)
             return 2
+    bounds = AnswerBounds()
     settings = ProxySettings(
         admin_token=admin_token,
         host=args.host,
@@ -505,6 +529,11 @@ def _run_proxy(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         max_body_bytes=args.max_body_bytes,
+        answer_bounds=AnswerBounds(
+            max_event_bytes=args.max_event_bytes or bounds.max_event_bytes,
+            max_answer_bytes=args.max_answer_bytes or bounds.max_answer_bytes,
+            max_decompression_ratio=args.max_decompression_ratio or bounds.max_decompression_ratio,
+        ),
         secrets_dir=args.secrets_dir,
         key_refresh_seconds=args.key_refresh_seconds,
         status_heartbeat_seconds=args.status_heartbeat_seconds,

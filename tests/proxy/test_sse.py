@@ -10,7 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rolegate_proxy.wire.sse import EventFramer, Kind, MalformedEvent, decode_event_json
+from rolegate_proxy.wire.sse import (
+    EventFramer,
+    EventTooLarge,
+    Kind,
+    MalformedEvent,
+    decode_event_json,
+)
 
 TEXT = "em dash — café naïve 日本語のテキスト 🚀 done"
 
@@ -163,6 +169,40 @@ def test_each_event_is_consumed_as_it_is_handed_out() -> None:
     framer.feed(b"data: 6\n\n")
     assert list(unfinished) == []  # overtaken: what it had not handed out is the framer's
     assert [value for value, _ in _events(framer)] == [b"5", b"6"]
+
+
+def test_an_unfinished_iteration_keeps_its_events_across_a_read_that_ends_none() -> None:
+    framer = EventFramer()
+    assert framer.feed(b"data: 1\n\ndata: 2\n\ndata: 3")
+    events = framer.events(_as_is, _unexpected)
+    assert next(events)[0] == b"1"
+    # This read ends no event, but "2" waits whole: still worth handing out.
+    assert framer.feed(b"4")
+    assert [value for value, _ in _events(framer)] == [b"2"]
+    assert not framer.feed(b"5")
+    assert framer.feed(b"\n\n")
+    assert [value for value, _ in _events(framer)] == [b"345"]
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"])
+def test_an_event_is_refused_as_soon_as_it_grows_past_the_bound(ending: bytes) -> None:
+    """Refused at the read that takes it past the bound, never after holding more: a 50 MB
+    event costs a few reads, not 50 MB (SPEC E8)."""
+    framer = EventFramer(max_event_bytes=1000)
+    assert framer.feed(b"data: small" + ending + ending + b"data: " + b"x" * 94)
+    assert [value for value, _ in _events(framer)] == [b"small"]
+    for _ in range(8):
+        framer.feed(b"x" * 100)  # 900 bytes held: within the bound
+    with pytest.raises(EventTooLarge, match="1,000-byte bound"):
+        framer.feed(b"x" * 101)
+
+
+def test_an_event_at_the_bound_is_taken() -> None:
+    framer = EventFramer(max_event_bytes=1000)
+    event = b"data: " + b"x" * 992 + b"\n\n"
+    for at in range(0, 1000, 100):
+        framer.feed(event[at : at + 100])
+    assert [value for value, _ in _events(framer)] == [b"x" * 992]
 
 
 def test_an_event_its_reader_finds_malformed_is_skipped_and_told() -> None:

@@ -116,7 +116,9 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         auto_decompress=True,
         cookie_jar=aiohttp.DummyCookieJar(),
     )
-    state.dispatcher.upstreams = Upstreams(pooled, fresh, state.keys)
+    state.dispatcher.upstreams = Upstreams(
+        pooled, fresh, state.keys, bounds=state.settings.answer_bounds
+    )
     yield
     state.dispatcher.upstreams = None
     await pooled.close()

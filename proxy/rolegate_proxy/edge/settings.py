@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.outcomes import DEFAULT_CAPACITY
+from ..flow.answer_bounds import AnswerBounds
 from ..flow.client_stream import KEEPALIVE_SECONDS
 from ..flow.metrics import MAX_MACHINE_LABELS
 from .credentials import DEFAULT_SECRETS_DIR
@@ -22,6 +23,8 @@ class ProxySettings:
     metrics_port: int | None = None
     metrics_host: str | None = None
     max_body_bytes: int = 4 * 1024 * 1024
+    # How much of an upstream's answer is read: its events, its size, its decompression.
+    answer_bounds: AnswerBounds = field(default_factory=AnswerBounds)
     secrets_dir: Path = DEFAULT_SECRETS_DIR
     # How often API keys are re-read from the environment and mounted Secret files.
     key_refresh_seconds: float = 30.0

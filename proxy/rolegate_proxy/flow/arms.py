@@ -28,6 +28,7 @@ from ..wire.answers import Completion, NotTheProtocol, UpstreamError
 from ..wire.chat_request import ChatRequest
 from ..wire.dialects import WIRE, WireProtocol
 from . import tracing
+from .answer_bounds import AnswerOverBound, read_whole
 from .stream import OpenedStream, Reads, hold_until_content
 from .upstream import (
     TRANSPORT_ERRORS,
@@ -156,11 +157,13 @@ async def complete(upstreams: Upstreams, run: ArmRun, chat: ChatRequest, *, fres
         async with upstreams.deadlines.within(silence.seconds):
             response = await post(upstreams, run, chat, fresh=fresh)
             try:
-                raw = await response.read()
+                raw = await read_whole(response, upstreams.bounds)
             finally:
                 response.release()
     except TRANSPORT_ERRORS as error:
         raise failed_in_transport(error, silence, headers_in=True, content_in=False) from None
+    except AnswerOverBound as bound:
+        raise ArmFailed(Cause.MALFORMED, str(bound)) from None
     try:
         parsed = run.wire.parse_completion(raw, named=run.attempt.is_aggregator)
     except NotTheProtocol as problem:
@@ -219,7 +222,13 @@ async def _opened(
         hooks.missing_charset()
     opened = OpenedStream(
         response,
-        Reads(response, run.wire, named=run.attempt.is_aggregator, on_malformed=hooks.malformed),
+        Reads(
+            response,
+            run.wire,
+            named=run.attempt.is_aggregator,
+            on_malformed=hooks.malformed,
+            bounds=upstreams.bounds,
+        ),
         [],
         0.0,
     )

@@ -32,7 +32,8 @@ from ..core.verdicts import Verdict
 from ..core.watch import Act, Watch
 from ..wire.answers import Chunk
 from ..wire.dialects import WireProtocol
-from ..wire.sse import EventFramer, Kind
+from ..wire.sse import EventFramer, EventTooLarge, Kind
+from .answer_bounds import AnswerBounds, AnswerMeter, AnswerOverBound
 from .client_stream import ClientStream
 from .seam import Seam, as_chunk
 from .upstream import TRANSPORT_ERRORS, ArmFailed, Silence, failed_in_transport
@@ -58,7 +59,7 @@ class Reads:
     Not a generator across reads: a read cancelled while it waits (a timer ran out)
     consumes nothing, and the next one goes on where it was."""
 
-    __slots__ = ("_framer", "_on_malformed", "_reader", "read_any")
+    __slots__ = ("_framer", "_meter", "_on_malformed", "_reader", "read_any")
 
     def __init__(
         self,
@@ -67,6 +68,7 @@ class Reads:
         *,
         named: bool,
         on_malformed: Callable[[], None],
+        bounds: AnswerBounds,
     ) -> None:
         # The next network read's bytes (b"" at the stream's clean end).
         self.read_any = response.content.readany
@@ -76,7 +78,8 @@ class Reads:
             # and opening it is bounded as a whole: aiohttp's read timeout would only bound
             # it again, at the cost of a timer made and cancelled on every network read.
             connection.protocol.read_timeout = None
-        self._framer = EventFramer()
+        self._framer = EventFramer(bounds.max_event_bytes)
+        self._meter = AnswerMeter(response.content, bounds)
         self._reader = wire.stream_reader(named=named)
         self._on_malformed = on_malformed
 
@@ -94,9 +97,17 @@ class Reads:
                 return events
 
     def take(self, data: bytes) -> Iterator[Sent] | None:
-        """The events a network read completes; None when it completes none."""
+        """The events a network read completes; None when it completes none. Raises
+        ArmFailed when the answer has passed a bound (`answer_bounds.py`)."""
         framer = self._framer
-        return framer.events(self._reader.read, self._on_malformed) if framer.feed(data) else None
+        try:
+            self._meter.count(len(data))
+            ended = framer.feed(data)
+        except AnswerOverBound as bound:
+            raise ArmFailed(Cause.MALFORMED, str(bound)) from None
+        except EventTooLarge as bound:
+            raise ArmFailed(Cause.MALFORMED, f"{bound} (--max-event-bytes)") from None
+        return framer.events(self._reader.read, self._on_malformed) if ended else None
 
 
 @dataclass(slots=True)
@@ -344,7 +355,11 @@ class Relay:
                 else:
                     if not data:
                         return None
-                    if (events := reads.take(data)) is not None:
+                    try:
+                        events = reads.take(data)
+                    except ArmFailed as failure:
+                        return Stop(StopKind.BROKE, failure.cause, failure.detail)
+                    if events is not None:
                         return events
                     continue  # a read that completed no event: wait on
                 finally:

@@ -34,6 +34,7 @@ from ..core.routing import Attempt
 from ..wire.answers import UpstreamError
 from ..wire.chat_request import ChatRequest
 from ..wire.dialects import WIRE, WireProtocol
+from .answer_bounds import AnswerBounds
 from .deadlines import Deadlines
 
 # What a failed read or write of an upstream's answer raises.
@@ -109,6 +110,8 @@ class Upstreams:
     keys: KeySource
     # Every arm's silence bound (on one timer for them all).
     deadlines: Deadlines = field(default_factory=Deadlines)
+    # How much of an answer is read (SPEC E8).
+    bounds: AnswerBounds = field(default_factory=AnswerBounds)
     # The request headers last built per (dialect, key reference, streamed), with the key
     # they were built with: every arm to a provider sends the same ones until its key
     # changes (read-only: aiohttp copies them into each request).
