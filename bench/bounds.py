@@ -177,7 +177,7 @@ async def _load(url: str, until: float, answered: list[int]) -> None:
     bodies = [
         json.dumps(
             {
-                "model": "bench/calm",
+                "model": "calm",
                 "messages": [{"role": "user", "content": "benchmark prompt"}],
                 "stream": stream,
             }

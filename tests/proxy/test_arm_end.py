@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from rolegate_proxy.core.arm_end import (
+    CLIENT_HOLD_TOLERANCE,
     REFERENCE_GAP,
     REFERENCE_TTFT,
     UPSTREAM_FAULTS,
@@ -85,6 +86,23 @@ def test_a_streamed_arm_teaches_its_first_token_and_gaps_however_it_ended() -> N
         taught = sighting(end(cause, first_at=10.5, gaps=gaps), None)
         assert taught is not None
         assert (taught.ttft, taught.gaps, taught.cut) == (0.5, gaps, cause is not Cause.ANSWERED)
+
+
+def test_what_a_slow_client_held_is_not_the_machines() -> None:
+    """A client that reads slowly holds the stream by back-pressure (SPEC E8): the arm's
+    seconds leave that out, and past a few writes' worth its gaps are not taught."""
+    gaps = GapStats.of([0.1, 0.1])
+    briefly = end(Cause.ANSWERED, first_at=10.5, gaps=gaps, client_held=CLIENT_HOLD_TOLERANCE)
+    assert briefly.seconds == pytest.approx(2.0 - CLIENT_HOLD_TOLERANCE)
+    taught = sighting(briefly, None)
+    assert taught is not None
+    assert taught.gaps == gaps
+    held = end(Cause.ANSWERED, first_at=10.5, gaps=gaps, client_held=1.5)
+    assert held.seconds == pytest.approx(0.5)
+    assert arm_result(held, patience=1.0) is ArmResult.OK  # 2 s in all, 0.5 s the machine's
+    taught = sighting(held, None)
+    assert taught is not None
+    assert (taught.ttft, taught.gaps) == (0.5, NO_GAPS)
 
 
 @pytest.mark.parametrize("cause", [Cause.CLIENT_LEFT, Cause.RACE_LOST, Cause.DEADLINE, Cause.STALL])
@@ -189,4 +207,5 @@ def test_an_arm_run_ends_with_every_fact_it_saw() -> None:
         "delivered": False,
         "detail": "answered",
         "span_id": 0,
+        "client_held": 0.0,
     }

@@ -96,6 +96,9 @@ _TRANSPORT_OF: Final = {
     Cause.IN_BAND_ERROR: TransportFault.STREAM_ERROR,
 }
 _TOOL_CALL_FAULTS: Final = frozenset({Signature.TOOL_ARGUMENTS_NOT_JSON, Signature.UNDECLARED_TOOL})
+# A client may hold an arm's stream this long in all (a few slow writes) before its gaps
+# are taken for the client's pace rather than the machine's, and not taught.
+CLIENT_HOLD_TOLERANCE: Final = 0.05
 # A non-streamed answer shows only its total time. It is split between a first token and
 # the gaps in proportion to what the machine is believed to do, or, with no belief yet, to
 # this reference shape (a second to the first token, then 50 tokens a second).
@@ -155,10 +158,21 @@ class ArmEnd:
     detail: str = ""
     # Its span's id, drawn when it was sent in a traced request (0: none).
     span_id: int = 0
+    # Seconds its client kept it waiting: writes held back by a client that read slowly
+    # (`ClientStream.client_held`). The machine's time excludes them (SPEC E8).
+    client_held: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return max(self.ended_at - self.started_at, 0.0)
+        """The arm's time as the machine spent it: the client's holding left out."""
+        return max(self.ended_at - self.started_at - self.client_held, 0.0)
+
+    @property
+    def gaps_taught(self) -> GapStats:
+        """Its gaps, unless its client held it long enough to have shaped them: a client
+        that reads slowly stops the upstream by back-pressure, and what the gaps then
+        show is the client's pace, not the machine's (SPEC E8)."""
+        return self.gaps if self.client_held <= CLIENT_HOLD_TOLERANCE else NO_GAPS
 
     @property
     def ttft(self) -> float | None:
@@ -205,15 +219,15 @@ def sighting(end: ArmEnd, belief: MachineBelief | None) -> Sighting | None:
         return None
     at = end.ended_at
     if end.first_at is not None:
-        taught = Sighting(end.provider, end.model, machine, at, ttft=end.ttft, gaps=end.gaps,
+        taught = Sighting(end.provider, end.model, machine, at, ttft=end.ttft, gaps=end.gaps_taught,
                           cut=end.cause is not Cause.ANSWERED)  # fmt: skip
     elif not end.streamed and end.cause is Cause.ANSWERED and end.answer is not None:
         taught = _completion_sighting(end, machine, end.answer, belief)
     elif end.cause in _CENSORING:
         taught = Sighting(end.provider, end.model, machine, at, waited=end.seconds,
-                          gaps=end.gaps, cut=True)  # fmt: skip
+                          gaps=end.gaps_taught, cut=True)  # fmt: skip
     else:
-        taught = Sighting(end.provider, end.model, machine, at, gaps=end.gaps)
+        taught = Sighting(end.provider, end.model, machine, at, gaps=end.gaps_taught)
     return taught if taught.teaches else None
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, KeysView
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final, NamedTuple
@@ -503,7 +503,8 @@ class Ledger:
         self.settings = settings or LedgerSettings()
         self._sheet: dict[MachineKey, _Sheet] = {}
         self._entries: OrderedDict[MachineKey, _Entry] = OrderedDict()
-        self._index: dict[tuple[str, str], set[str]] = {}
+        # (provider, model) -> its machines, the most recently sighted last.
+        self._index: dict[tuple[str, str], dict[str, None]] = {}
         # (provider, model, machine) -> (when computed, the belief then); see `current`.
         self._cache: dict[MachineKey, tuple[float, MachineBelief | None]] = {}
         # Cached beliefs with sightings filed since they were computed.
@@ -626,9 +627,23 @@ class Ledger:
             entry.last_seen if entry is not None else None,
         )
 
-    def machine_set(self, provider: str, model: str) -> frozenset[str] | set[str]:
-        """The machines of (provider, model) with a belief, unordered (do not modify)."""
-        return self._index.get((provider, model), _EMPTY)
+    def machine_set(self, provider: str, model: str) -> KeysView[str] | frozenset[str]:
+        """The machines of (provider, model) with a belief, as a set (do not modify)."""
+        machines = self._index.get((provider, model))
+        return _EMPTY if machines is None else machines.keys()
+
+    def recent_machines(
+        self, provider: str, model: str, limit: int, leaving_out: Container[str]
+    ) -> list[str]:
+        """The `limit` machines of (provider, model) sighted most recently, leaving out
+        those in `leaving_out` (the sheet's), most recent first."""
+        found: list[str] = []
+        for machine in reversed(self._index.get((provider, model), {})):
+            if machine not in leaving_out:
+                found.append(machine)
+                if len(found) >= limit:
+                    break
+        return found
 
     def machines(self, provider: str, model: str) -> tuple[str, ...]:
         """Every machine of (provider, model) with a belief, sheet or learned, by name."""
@@ -787,6 +802,7 @@ class Ledger:
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
+            self._indexed(key)  # (sighted again: the most recent of its model's)
             return entry
         entry = self._entries[key] = _Entry(_Stats(), _Stats())
         self._indexed(key)
@@ -800,12 +816,14 @@ class Ledger:
         return entry
 
     def _indexed(self, key: MachineKey) -> None:
-        self._index.setdefault((key.provider, key.model), set()).add(key.machine)
+        machines = self._index.setdefault((key.provider, key.model), {})
+        machines.pop(key.machine, None)
+        machines[key.machine] = None
 
     def _unindex(self, key: MachineKey) -> None:
         machines = self._index.get((key.provider, key.model))
         if machines is None:
             return
-        machines.discard(key.machine)
+        machines.pop(key.machine, None)
         if not machines:
             del self._index[(key.provider, key.model)]

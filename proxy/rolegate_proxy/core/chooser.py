@@ -96,6 +96,9 @@ AFFINITY: Final = "affinity"
 MAX_PINS: Final = 1024
 # Standings kept at most (role x candidate x prompt-size class; see `Chooser._standing`).
 MAX_STANDINGS: Final = 4096
+# Machines of a model known only from sightings (an aggregator named them) that routing
+# considers, and so names in the routing field: the most recently sighted ones.
+MAX_LEARNED_MACHINES: Final = 64
 
 
 class Fate(StrEnum):
@@ -725,7 +728,18 @@ class Chooser:
         sheet, sheet_names, keys = self._sheet(candidate)
         if aggregator:
             learned = self.ledger.machine_set(provider, model)
-            names = sheet_names if learned <= sheet.keys() else sorted(sheet.keys() | learned)
+            if learned <= sheet.keys():
+                names = sheet_names
+            elif len(learned) - len(sheet) <= MAX_LEARNED_MACHINES:
+                names = sorted(sheet.keys() | learned)
+            else:
+                # An aggregator may name machines without end (or invent them): those it
+                # named most recently are what it routes to now, and the routing field sent
+                # back to it stays bounded (SPEC E8).
+                recent = self.ledger.recent_machines(
+                    provider, model, MAX_LEARNED_MACHINES, sheet.keys()
+                )
+                names = sorted(sheet.keys() | set(recent))
         else:
             names = sheet_names[:1]
         failed = _names(avoid, provider, model) if avoid else _NO_NAMES

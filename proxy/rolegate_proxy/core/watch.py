@@ -234,6 +234,9 @@ class Watch:
         self.last_at: float | None = None
         self.tokens = 0
         self.llr = 0.0
+        # Seconds the client held this arm's stream (its relay says; every time this
+        # watch is given leaves them out: they are not the machine's).
+        self.client_held = 0.0
         self.acts: list[Act] = []
         self._gaps = GapStats()
         self._decision: _Decision | None = None

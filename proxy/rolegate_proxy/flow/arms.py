@@ -104,6 +104,7 @@ class ArmRun:
             False,  # delivered
             detail,  # detail
             self.span_id,  # span_id
+            0.0 if watch is None else watch.client_held,  # client_held
         )
 
     def failed(self, failure: ArmFailed, at: float) -> ArmEnd:

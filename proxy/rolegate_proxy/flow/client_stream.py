@@ -32,6 +32,9 @@ from ..wire.sse import encode_event
 
 # How often a held answer tells its caller it is still being worked on.
 KEEPALIVE_SECONDS: Final = 5.0
+# A write that took longer than this waited for the client to read (a write that does not
+# wait takes microseconds).
+WRITE_WAIT_FLOOR_SECONDS: Final = 0.002
 
 _STREAM_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -190,6 +193,10 @@ class ClientStream:
         # The response writes go straight to while the answer flows (shown, nothing held).
         self._live: web.StreamResponse | None = None
         self._keepalive_task: asyncio.Task[None] | None = None
+        # Seconds the answer's writes waited for the client to read (each wait past
+        # WRITE_WAIT_FLOOR_SECONDS): time a slow reader held the stream, which is not the
+        # serving machine's (SPEC E8).
+        self.client_held = 0.0
 
     @property
     def started(self) -> bool:
@@ -220,10 +227,14 @@ class ClientStream:
         if live is not None:
             # As `_guarded` does, inline: this runs once per network read of a stream.
             if data:
+                before = self._clock()
                 try:
                     await live.write(data)
                 except (ConnectionError, RuntimeError) as error:
                     raise ClientGone(type(error).__name__) from None
+                waited = self._clock() - before
+                if waited > WRITE_WAIT_FLOOR_SECONDS:
+                    self.client_held += waited
             return
         if self.holding:
             self._held += data
@@ -240,10 +251,13 @@ class ClientStream:
         if self.response is None:
             await self._commit(self._served)
         assert self.response is not None
-        self.shown_at = self._clock()
+        before = self.shown_at = self._clock()
         self._wrote = True
         self._flow()
         await self._guarded(self.response.write(data))
+        waited = self._clock() - before
+        if waited > WRITE_WAIT_FLOOR_SECONDS:
+            self.client_held += waited
 
     async def _commit(self, served_headers: dict[str, str]) -> None:
         response = web.StreamResponse(

@@ -291,11 +291,28 @@ class Relay:
     # When the watch wants to be asked next, once it has been asked in a silence.
     _check_at: float | None = None
     _alarm: _Alarm | None = None
+    # The client's holding before this relay began (`ClientStream.client_held`).
+    _held_before: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._held_before = self.client.client_held
+
+    def _now(self) -> float:
+        """The stream's own time: the clock less what the client held it (a slow reader
+        stops the upstream by back-pressure; that wait is neither a silence nor a gap of
+        the machine's, and no patience of the caller's is spent on it)."""
+        return self.clock() - (self.client.client_held - self._held_before)
 
     async def run(self) -> Stop:
         """Forward until the answer is complete, the stream breaks, or it should move."""
+        try:
+            return await self._relayed()
+        finally:
+            self.watch.client_held = self.client.client_held - self._held_before
+
+    async def _relayed(self) -> Stop:
         if self._content_at is None:  # (a kept stream resumes with its own)
-            self._content_at = self.clock()
+            self._content_at = self._now()
         opened = self.opened
         # What was held back goes first, in one write with the rest of its read.
         first = bool(opened.held)
@@ -331,10 +348,10 @@ class Relay:
         """The next read, or the Stop a wait ended in: a stall, or a rate act that moves."""
         alarm = self._alarm
         if alarm is None:
-            alarm = self._alarm = _Alarm(self.clock)
+            alarm = self._alarm = _Alarm(self._now)
         reads = self.opened.reads
         while True:
-            now = self.clock()
+            now = self._now()
             assert self._content_at is not None
             stalled_at = self._content_at + self.silence.seconds
             wake = min(stalled_at, self._check_at or self._content_at + SILENCE_TICK_SECONDS)
@@ -346,7 +363,7 @@ class Relay:
                 except asyncio.CancelledError:
                     if not alarm.rang():
                         raise
-                    now = self.clock()
+                    now = self._now()
                 except TRANSPORT_ERRORS as error:
                     failure = failed_in_transport(
                         error, self.silence, headers_in=True, content_in=True
@@ -508,7 +525,7 @@ class Relay:
         """Content reached the client: the stall clock starts again, and the watch is told.
         The first content's gap is the TTFT (the watch took it when the stream opened), not
         a token gap."""
-        now = self._content_at = self.clock()
+        now = self._content_at = self._now()
         self._check_at = None
         return None if first else self._acted(self.watch.observe(now, tokens=tokens))
 
