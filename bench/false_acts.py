@@ -86,7 +86,7 @@ async def main(streams: int, tokens: int) -> int:
     config = compile_manifests(
         [manifest_from_object(o, f"bench#{i}") for i, o in enumerate(objects)]
     ).config
-    proxy = await start_proxy(ProxySettings(port=0), config)
+    proxy = await start_proxy(ProxySettings(port=0, metrics_on_api_port=True), config)
     started = time.monotonic()
     try:
         gate = asyncio.Semaphore(16)

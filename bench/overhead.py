@@ -299,9 +299,10 @@ def main() -> int:
             [*cli, "sim", "--scenario", str(scenario), "--port", str(sim_port)], env=env
         )
         proxy = subprocess.Popen(
-            [*cli, "proxy", "--manifests", str(manifests), "--port", str(proxy_port)],
+            [*cli, "proxy", "--manifests", str(manifests), "--port", str(proxy_port),
+             "--metrics-on-api-port"],
             env=proxy_env,
-        )
+        )  # fmt: skip
         try:
             sim_url, proxy_url = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{proxy_port}"
             asyncio.run(wait_ready(f"{sim_url}/healthz"))

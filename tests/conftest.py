@@ -60,6 +60,9 @@ async def proxy_server() -> AsyncIterator[ProxyFactory]:
         # Jitter, backoff and the ranking's dither from a seeded stream: a failing test
         # fails the same way on every run.
         settings.setdefault("random_seed", 0)
+        # Tests read /metrics where they send their requests (`--metrics-on-api-port`);
+        # the tests of where /metrics is served say so (test_metrics_port.py).
+        settings.setdefault("metrics_on_api_port", True)
         config = compile_objects(objects)
         proxy = await start_proxy(ProxySettings(host="127.0.0.1", port=0, **settings), config)
         running.append(proxy)

@@ -75,14 +75,20 @@ def _parser() -> argparse.ArgumentParser:
         type=_port,
         default=None,
         metavar="PORT",
-        help="serve /metrics, /healthz and /readyz on this port too, and /metrics no longer "
-        "on --port (health stays there as well); default: all on --port",
+        help="serve /metrics, /healthz and /readyz on this port, with --port's connection "
+        "limits (health stays on --port as well); default: no /metrics at all",
     )
     proxy.add_argument(
         "--metrics-host",
         default=None,
         metavar="HOST",
         help="with --metrics-port: the address it listens on (default: the --host)",
+    )
+    proxy.add_argument(
+        "--metrics-on-api-port",
+        action="store_true",
+        help="serve /metrics on --port too, to anyone who reaches it (it names every role, "
+        "grant and provider); default: only on --metrics-port",
     )
     proxy.add_argument(
         "--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body"
@@ -528,6 +534,7 @@ def _run_proxy(args: argparse.Namespace) -> int:
         port=args.port,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        metrics_on_api_port=args.metrics_on_api_port,
         max_body_bytes=args.max_body_bytes,
         answer_bounds=AnswerBounds(
             max_event_bytes=args.max_event_bytes or bounds.max_event_bytes,

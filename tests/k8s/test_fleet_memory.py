@@ -64,6 +64,7 @@ class Fleet:
         port = free_port()
         self.processes[pod] = await start_cli(
             *("proxy", "--configmap", f"{self.namespace}/rolegate-config", "--port", str(port)),
+            "--metrics-on-api-port",  # `metrics_of` reads each pod's where it sends
             *("--memory-publish-seconds", str(PUBLISH_SECONDS)),
             # Every decision by the beliefs: no exploration, a seeded dither.
             *("--explore-share", "0", "--seed", "0"),

@@ -82,6 +82,7 @@ async def proxy(control_plane: ControlPlane, namespace: str, apply: Apply) -> As
         "--configmap", f"{namespace}/{CONFIGMAP}",
         "--kubeconfig", str(control_plane.kubeconfig),
         "--port", str(port),
+        "--metrics-on-api-port",
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:

@@ -1,7 +1,8 @@
-"""`--metrics-port` (issue 15): /metrics, /healthz and /readyz on a listener of their own,
-and /metrics no longer on the API port; without it, everything stays on the API port. Real
-servers in-process, then the `rolegate proxy` command as a process (its flags, a port it
-cannot bind)."""
+"""`--metrics-port` (issue 15): /metrics, /healthz and /readyz on a listener of their own.
+/metrics is on the API port only when asked for (`--metrics-on-api-port`, issue 30: it
+names every role, grant and provider to whoever reaches the port). Real servers
+in-process, then the `rolegate proxy` command as a process (its flags, a port it cannot
+bind). The metrics listener's connection limits: test_metrics_listener.py."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def _answered(page: str) -> float:
 async def test_with_a_metrics_port_metrics_leave_the_api_port(
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
-    proxy = await _proxy(sim_server, proxy_server, metrics_port=0)
+    proxy = await _proxy(sim_server, proxy_server, metrics_port=0, metrics_on_api_port=False)
     assert proxy.metrics is not None
     assert proxy.metrics.port != proxy.port
     assert proxy.metrics_url == f"http://127.0.0.1:{proxy.metrics.port}"
@@ -106,10 +107,28 @@ async def test_with_a_metrics_port_metrics_leave_the_api_port(
         assert refused.status_code == 404
 
 
-async def test_without_a_metrics_port_everything_stays_on_the_api_port(
+async def test_without_a_metrics_port_the_api_port_serves_no_metrics_unless_asked(
     sim_server: SimFactory, proxy_server: ProxyFactory
 ) -> None:
-    proxy = await _proxy(sim_server, proxy_server)
+    proxy = await _proxy(sim_server, proxy_server, metrics_on_api_port=False)
+    assert proxy.metrics is None
+    async with httpx.AsyncClient(timeout=10) as client:
+        answer = await client.post(f"{proxy.url}/v1/chat/completions", json=ASK)
+        assert answer.status_code == 200, answer.text
+        # To a caller without any credential: no page, and no route to one named.
+        hidden = await client.get(f"{proxy.url}/metrics")
+        assert hidden.status_code == 404
+        assert hidden.json()["error"]["code"] == "unknown_url", hidden.text
+        assert "/metrics" not in hidden.text
+        assert "agent" not in hidden.text
+        for path in (*OPERATIONAL, *API_ONLY):
+            assert (await client.get(f"{proxy.url}{path}")).status_code == 200, path
+
+
+async def test_with_metrics_on_the_api_port_everything_is_served_there(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    proxy = await _proxy(sim_server, proxy_server, metrics_on_api_port=True)
     assert proxy.metrics is None
     assert proxy.metrics_url == proxy.url
     async with httpx.AsyncClient(timeout=10) as client:
@@ -197,6 +216,21 @@ def test_the_command_serves_metrics_on_its_metrics_port(
     assert proxy.wait(timeout=30) == 0
     assert f"listening on {api} " in log.read_text()
     assert f"metrics on {metrics}" in log.read_text()
+
+
+@pytest.mark.parametrize(("flags", "status"), [((), 404), (("--metrics-on-api-port",), 200)])
+def test_the_command_serves_metrics_on_its_api_port_only_when_asked(
+    manifests: Path, processes: list[subprocess.Popen[str]], flags: tuple[str, ...], status: int
+) -> None:
+    port = _free_port()
+    proxy = subprocess.Popen(
+        [*CLI, "proxy", "--manifests", str(manifests), "--port", str(port), *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    processes.append(proxy)
+    api = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _status(f"{api}/readyz") == 200, "the API port", alive=[_Alive(proxy)])
+    assert _status(f"{api}/metrics") == status
 
 
 @pytest.mark.parametrize("taken", ["--port", "--metrics-port"])

@@ -50,13 +50,15 @@ class Subject:
         return self.name.partition("/")[0]
 
     def describe(self) -> str:
-        """How an error message names the caller (the caller's own identity only)."""
+        """How an error message names the caller, at the start of a sentence: a
+        ServiceAccount by its name (the caller's own identity, which it needs to ask for a
+        grant); an API key never by the Secret holding it, which is the cluster's business,
+        not the key holder's."""
         if self.kind is SubjectKind.SERVICE_ACCOUNT:
             return f"ServiceAccount {self.name}"
         if self.kind is SubjectKind.API_KEY:
-            secret, _, key = self.name.partition("/")
-            return f"the API key of Secret {secret}, key {key}"
-        return "an anonymous caller"
+            return "This API key"
+        return "An anonymous caller"
 
 
 ANONYMOUS: Final = Subject(SubjectKind.ANONYMOUS)

@@ -69,7 +69,9 @@ def create_app(
         app.cleanup_ctx.append(_cluster_writes)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
-    add_operational_routes(app, metrics=settings.metrics_port is None)
+    # /metrics names roles, grants and providers: not for whoever reaches the API port,
+    # unless asked for (the metrics port is the place for it).
+    add_operational_routes(app, metrics=settings.metrics_on_api_port)
     app.router.add_get("/v1/rolegate/decisions", explain.decisions)
     app.router.add_get("/v1/rolegate/state", explain.state)
     app.router.add_post("/v1/feedback", explain.feedback)
@@ -78,8 +80,11 @@ def create_app(
 
 def create_metrics_app(api: web.Application) -> web.Application:
     """The metrics listener's app (`--metrics-port`): /metrics, /healthz and /readyz on the
-    API app's state. No background work of its own: that belongs to the API app."""
-    app = web.Application()
+    API app's state. No background work of its own: that belongs to the API app. Its
+    listener has the API's connection limits and error shapes (edge/server.py), and the
+    same body limit (its routes read no body; one sent anyway is dropped)."""
+    app = web.Application(client_max_size=api[MAX_BODY_BYTES])
+    app[MAX_BODY_BYTES] = api[MAX_BODY_BYTES]
     app[STATE] = api[STATE]
     add_operational_routes(app, metrics=True)
     return app
@@ -87,7 +92,7 @@ def create_metrics_app(api: web.Application) -> web.Application:
 
 def add_operational_routes(app: web.Application, *, metrics: bool) -> None:
     """The one place the operational endpoints are routed: health on every listener, and
-    /metrics on the listener that serves it (the metrics port when there is one)."""
+    /metrics on the metrics port, and on the API port only with `metrics_on_api_port`."""
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     if metrics:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 import aiohttp
+from aiohttp import hdrs
 
 from rolegate_policy.config import CompiledGrant, ProxyConfig, SecretRef
 
@@ -40,6 +41,7 @@ from ..core.access import ANONYMOUS, UNKNOWN_KEY, Grants, Subject, SubjectKind
 from ..core.allowance import LIMIT_FIELDS, Allowances, Limited
 from ..core.outcomes import Outcome
 from ..wire.errors import ProxyError
+from .headers import readable
 from .kube_api import KubeAccess, describe_error, load_access
 
 log = logging.getLogger("rolegate.proxy.callers")
@@ -164,6 +166,7 @@ class Authenticator:
     async def subject(self, authorization: str | None) -> Subject:
         """Who is calling. Raises a 401 `ProxyError` for a credential that is not valid,
         a 503 one while a never-seen token cannot be checked."""
+        authorization = readable(authorization, hdrs.AUTHORIZATION)
         if authorization is None:
             return ANONYMOUS
         if not authorization[: len(BEARER)].lower() == BEARER:
@@ -298,14 +301,17 @@ class AccessGate:
     async def identify(self, authorization: str | None) -> Subject:
         return await self.authenticator.subject(authorization)
 
-    def authorize(self, subject: Subject, role: str) -> Admission:
+    def authorize(self, subject: Subject, role: str) -> Admission | None:
         """The grant admitting `subject` to `role`, and whether its limits refuse the
-        request now. When several grants admit it, the first (in name order) with room
-        left is charged. Raises 401 for an anonymous caller no grant admits (without
-        naming any role), 403 for a known one, naming both."""
+        request now; None when no grant admits it. When several grants admit it, the first
+        (in name order) with room left is charged.
+
+        None, not an error of its own: the caller answers a role it may not use exactly as
+        a role that does not exist (edge/calls.py), so that a caller cannot learn which
+        roles exist by asking for them."""
         grants = self.grants.admitting(subject, role)
         if not grants:
-            raise not_admitted(subject, f"is not granted role {role}", f"with role {role}")
+            return None
         now = self._monotonic()
         refusal: Limited | None = None
         for grant in grants:
@@ -340,6 +346,7 @@ class AccessGate:
         """Admits a caller to the admin endpoints: one presenting the proxy's admin token, or
         one a grant with `admin: true` is for. Raises 401/403 otherwise (and the 401/503 of
         an invalid or unverifiable credential)."""
+        authorization = readable(authorization, hdrs.AUTHORIZATION)
         if admin_token and authorization is not None:
             presented = authorization.encode()
             if hmac.compare_digest(presented, f"Bearer {admin_token}".encode()):
@@ -363,7 +370,8 @@ class Admission:
 
 def not_admitted(subject: Subject, what: str, needed: str, *, admin: bool = False) -> ProxyError:
     """401 for a caller without a known credential (which roles exist is not its business),
-    403 for a known one, naming the subject and what it lacks."""
+    403 for a known one, naming what it lacks and the caller as it knows itself (a
+    ServiceAccount by name, an API key never by its Secret)."""
     how = (
         "the proxy's admin token (--admin-token-file), or a ServiceAccount token (audience "
         "rolegate) or API key of an AccessGrant with `admin: true`"
@@ -377,10 +385,12 @@ def not_admitted(subject: Subject, what: str, needed: str, *, admin: bool = Fals
         )
     if subject.kind is SubjectKind.ANONYMOUS:
         return unauthenticated(f"This needs a credential: send `Authorization: Bearer` with {how}.")
+    listing = (
+        "it (or its namespace)" if subject.kind is SubjectKind.SERVICE_ACCOUNT else "its Secret"
+    )
     return ProxyError(
         403,
-        f"{subject.describe()} {what}: an AccessGrant listing it (or its namespace) {needed} "
-        "is needed.",
+        f"{subject.describe()} {what}: an AccessGrant listing {listing} {needed} is needed.",
         error_type="permission_error",
         code="admin_not_granted" if admin else "role_not_granted",
     )

@@ -20,9 +20,16 @@ from ..core.decisions import Decision
 from ..core.outcomes import Outcome, OutcomeKind
 from ..flow import tracing
 from ..wire.caller_provider import refuse_unreachable, role_machines
-from ..wire.chat_request import ROLE_HEADER, choose_role, parse_body, validate_chat_request
+from ..wire.chat_request import (
+    ROLE_HEADER,
+    choose_role,
+    parse_body,
+    unknown_role,
+    validate_chat_request,
+)
 from ..wire.errors import ProxyError
 from .callers import OverLimit, rate_limited
+from .headers import readable
 from .state import ProxyState
 
 CLIENT_GONE = 499
@@ -87,13 +94,13 @@ class Call:
         subject = await state.access.identify(self.request.headers.get(hdrs.AUTHORIZATION))
         state.access.may_use_some_role(subject)
         body = parse_body(await read_body(self.request, state.settings.max_body_bytes))
-        role = choose_role(
-            body,
-            self.request.headers.get(ROLE_HEADER),
-            self.config,
-            partial(state.access.roles_of, subject, self.config),
-        )
+        header_role = readable(self.request.headers.get(ROLE_HEADER), ROLE_HEADER)
+        granted = partial(state.access.roles_of, subject, self.config)
+        role = choose_role(body, header_role, self.config, granted)
         admission = state.access.authorize(subject, role.name)
+        if admission is None:
+            # Word for word what a role that does not exist gets (wire/chat_request.py).
+            raise unknown_role(granted, by_header=header_role is not None)
         self.headers["X-Rolegate-Role"] = role.name
         # From here on the outcome names the role and grant, even if the request is then
         # refused.

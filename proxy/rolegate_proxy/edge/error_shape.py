@@ -10,17 +10,21 @@ middleware: a middleware would wrap every request in two more coroutines, about 
 of a proxied request's CPU.
 
 Messages are ours and say what to fix; none echoes request text (a path, a method, a
-header), which is the client's and could be anything.
+header), which is the client's and could be anything. And a client's mistake is never
+logged as ours: not a malformed request, nor a broken body left unread behind a refusal
+(`_then_drop_body`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Coroutine
 from http import HTTPStatus
 from typing import Any
 
 from aiohttp import hdrs, http_exceptions, web
+from aiohttp.streams import StreamReader
 
 from ..wire.errors import ProxyError
 from .calls import BodyTimedOut, body_timed_out, body_too_large, unsupported_encoding
@@ -157,6 +161,17 @@ def _server_error(status: int) -> ProxyError:
     )
 
 
+# What reading a body the client broke raises: the parser's verdict on its framing or its
+# Content-Encoding (wrapped as RequestPayloadError), the body limit's BodyTimedOut (an HTTP
+# error), the client gone.
+_BROKEN_BODY = (
+    web.RequestPayloadError,
+    http_exceptions.HttpProcessingError,
+    web.HTTPException,
+    ConnectionError,
+)
+
+
 class OpenAIErrorHandler(web.RequestHandler):
     """One connection, whose error answers (routing, the parser's, a handler's crash) are
     JSON."""
@@ -171,7 +186,42 @@ class OpenAIErrorHandler(web.RequestHandler):
         # handed back to be awaited, not awaited here: a coroutine less per response.
         if isinstance(resp, web.HTTPException):
             resp = reshaped_http_error(request, resp)
-        return super().finish_response(request, resp, start_time)
+        finishing = super().finish_response(request, resp, start_time)
+        body = request.content
+        if body.is_eof() or not self._lingering_time:
+            return finishing  # the body was read (or there was none): the usual case
+        return self._then_drop_body(finishing, body)
+
+    async def _then_drop_body(
+        self,
+        finishing: Coroutine[Any, Any, tuple[web.StreamResponse, bool]],
+        body: StreamReader,
+    ) -> tuple[web.StreamResponse, bool]:
+        """The answer, then the rest of a body the handler never read (a request refused
+        before its body was looked at: no credential, an unknown path), read and dropped.
+
+        aiohttp would do the same after the response (its "lingering close", so that the
+        client is not reset before it reads the answer), but there a body that turns out
+        broken (not the gzip it claims, badly chunked) raises into its request loop, which
+        logs it as an unhandled exception: an ERROR traceback for the client's mistake.
+        Here the read is the same, within the same lingering time; a body broken or still
+        arriving after it only ends the connection, logged at DEBUG."""
+        finished = await finishing
+        if finished[1]:
+            return finished  # the client is gone: aiohttp ends the connection
+        try:
+            async with asyncio.timeout(self._lingering_time):
+                while not body.is_eof():
+                    await body.readany()
+            return finished
+        except TimeoutError:
+            log.debug("closed a connection whose unread request body was still arriving")
+        except _BROKEN_BODY as exc:
+            log.debug("closed a connection whose unread request body was broken (%s)",
+                      type(exc).__name__)  # fmt: skip
+        # Nothing more on the connection can be read: its framing is lost.
+        self.force_close()
+        return finished
 
     def handle_error(
         self,

@@ -45,7 +45,7 @@ class Listener:
 @dataclass
 class RunningProxy:
     api: Listener
-    # The `--metrics-port` listener (/metrics and health), None when the API port serves them.
+    # The `--metrics-port` listener (/metrics and health); None without that flag.
     metrics: Listener | None = None
 
     @property
@@ -62,7 +62,8 @@ class RunningProxy:
 
     @property
     def metrics_url(self) -> str:
-        """Where /metrics is served: the metrics listener, else the API's."""
+        """Where /metrics is served: the metrics listener, else the API's (which serves it
+        only with `metrics_on_api_port`)."""
         return (self.metrics or self.api).url
 
     @property
@@ -83,11 +84,38 @@ async def start(
     """Listen on the API port, and on the metrics port when one is set; `CannotListen`
     names the flag whose port cannot be bound (nothing is left running then)."""
     app = create_app(settings, config, source)
-    # handler_cancellation: a client that disconnects cancels its handler at once, which
-    # closes the upstream connection, so the provider stops generating for nobody. The
-    # runner answers what the HTTP parser refuses in the OpenAI error shape, and holds the
-    # connections to their limits (edge/connections.py); keepalive_timeout is the idle one.
-    runner = ProxyRunner(
+    runner = guarded_runner(app, settings)
+    await runner.setup()
+    try:
+        api = await _listen(runner, settings.host, settings.port, "--port")
+    except CannotListen:
+        await runner.cleanup()
+        raise
+    if settings.metrics_port is None:
+        return RunningProxy(api=api)
+    metrics_runner = guarded_runner(create_metrics_app(app), settings)
+    await metrics_runner.setup()
+    host = settings.metrics_host or settings.host
+    try:
+        metrics = await _listen(metrics_runner, host, settings.metrics_port, "--metrics-port")
+    except CannotListen:
+        await metrics_runner.cleanup()
+        await runner.cleanup()
+        raise
+    return RunningProxy(api=api, metrics=metrics)
+
+
+def guarded_runner(app: web.Application, settings: ProxySettings) -> ProxyRunner:
+    """The runner of every listener, the API's and the metrics port's alike: a listener
+    without these limits is one a slow client can hold open forever.
+
+    handler_cancellation: a client that disconnects cancels its handler at once, which
+    closes the upstream connection, so the provider stops generating for nobody. The runner
+    answers what the HTTP parser refuses in the OpenAI error shape, and holds the
+    connections to their limits (edge/connections.py), each listener counting its own
+    (a flood on one never refuses the other's probes or scrapes); keepalive_timeout is the
+    idle one."""
+    return ProxyRunner(
         app,
         limits=ConnectionLimits(
             header_seconds=settings.header_timeout_seconds,
@@ -99,24 +127,6 @@ async def start(
         shutdown_timeout=settings.shutdown_grace_seconds,
         keepalive_timeout=settings.idle_timeout_seconds,
     )
-    await runner.setup()
-    try:
-        api = await _listen(runner, settings.host, settings.port, "--port")
-    except CannotListen:
-        await runner.cleanup()
-        raise
-    if settings.metrics_port is None:
-        return RunningProxy(api=api)
-    metrics_runner = web.AppRunner(create_metrics_app(app), access_log=None)
-    await metrics_runner.setup()
-    host = settings.metrics_host or settings.host
-    try:
-        metrics = await _listen(metrics_runner, host, settings.metrics_port, "--metrics-port")
-    except CannotListen:
-        await metrics_runner.cleanup()
-        await runner.cleanup()
-        raise
-    return RunningProxy(api=api, metrics=metrics)
 
 
 async def _listen(runner: web.AppRunner, host: str, port: int, flag: str) -> Listener:
@@ -160,7 +170,12 @@ def serve(
         running = await start(settings, config, source)
         settle_garbage_collector()
         origin = source.describe if source else f"{len(config.roles)} roles, config {config.hash}"
-        metrics = f", metrics on {running.metrics.url}" if running.metrics else ""
+        if running.metrics:
+            metrics = f", metrics on {running.metrics.url}"
+        elif settings.metrics_on_api_port:
+            metrics = ", metrics on the API port"
+        else:
+            metrics = ", no /metrics (--metrics-port PORT serves it)"
         started.info("rolegate proxy listening on %s (%s)%s", running.url, origin, metrics)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -17,11 +17,15 @@ from .tracing import TraceSettings
 class ProxySettings:
     host: str = "127.0.0.1"
     port: int = 8080
-    # With a port, /metrics, /healthz and /readyz are also served there, on their own
-    # listener, and /metrics leaves the API port (health stays on both). None: everything
-    # on the API port. `metrics_host` None: the API's host.
+    # With a port, /metrics, /healthz and /readyz are served there, on a listener of their
+    # own with the API port's connection limits (health stays on the API port too).
+    # `metrics_host` None: the API's host.
     metrics_port: int | None = None
     metrics_host: str | None = None
+    # /metrics on the API port as well, to whoever reaches it. Off by default: the page
+    # names every role, grant and provider, which a caller without a credential has no
+    # business reading.
+    metrics_on_api_port: bool = False
     max_body_bytes: int = 4 * 1024 * 1024
     # How much of an upstream's answer is read: its events, its size, its decompression.
     answer_bounds: AnswerBounds = field(default_factory=AnswerBounds)

@@ -197,13 +197,7 @@ def choose_role(
     if header_role is not None:
         role = config.role(header_role)
         if role is None:
-            raise ProxyError(
-                404,
-                f"Unknown role {header_role!r} in the {ROLE_HEADER} header. "
-                f"Your roles: {_listed(granted)}.",
-                code="unknown_role",
-                param=ROLE_HEADER,
-            )
+            raise unknown_role(granted, by_header=True)
         return role
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -215,15 +209,23 @@ def choose_role(
         )
     role = config.role(model)
     if role is None:
-        shown = model if len(model) <= 80 else model[:77] + "..."
-        raise ProxyError(
-            404,
-            f"Unknown role {shown!r}: rolegate selects a role by the `model` field. "
-            f"Your roles: {_listed(granted)}.",
-            code="unknown_role",
-            param="model",
-        )
+        raise unknown_role(granted, by_header=False)
     return role
+
+
+def unknown_role(granted: Callable[[], Sequence[str]], *, by_header: bool) -> ProxyError:
+    """404 for a role the caller cannot have: one that does not exist, and one that exists
+    but no grant gives this caller (the edge raises this for both, word for word, so that
+    asking reveals nothing about which roles exist). The name asked for is never repeated:
+    it is the client's text."""
+    where = f"the {ROLE_HEADER} header" if by_header else "`model`"
+    return ProxyError(
+        404,
+        f"The role named by {where} does not exist or is not granted to this caller. "
+        f"Your roles: {_listed(granted)}.",
+        code="unknown_role",
+        param=ROLE_HEADER if by_header else "model",
+    )
 
 
 def _listed(granted: Callable[[], Sequence[str]]) -> str:
