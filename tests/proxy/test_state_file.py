@@ -177,15 +177,15 @@ async def test_a_crafted_state_file_is_refused_naming_the_field_and_the_proxy_st
     memory.write_bytes(memory_with(("agg", MODEL, "m1"), now=time.time(), **changes))
     with caplog.at_level(logging.WARNING, logger="rolegate.proxy.memory"):
         proxy = await _started(sim_server, proxy_server, memory)
+    # Cold: it answers the state endpoint and serves the role, by the published figures.
+    await _state_answers(proxy.url)
+    assert await _first_asked(proxy.url) == "m1"
+    assert await _expected_ttft(proxy.url, "m1") < 0.1
+    # One warning, naming the file and the field, never the value.
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "rolegate.proxy.memory"]
     assert f"state file ignored path={memory} reason={field}" in warning
     reason = warning.split(" reason=", 1)[1]
     assert value not in reason
-    # Cold: it serves the role and answers the state endpoint, by the published figures.
-    await _state_answers(proxy.url)
-    assert await _expected_ttft(proxy.url, "m1") < 0.1
-    assert await _first_asked(proxy.url) == "m1"
-    await _state_answers(proxy.url)
 
 
 async def test_the_temporary_file_a_killed_save_left_is_removed_at_start(
