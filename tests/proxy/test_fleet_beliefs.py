@@ -3,9 +3,11 @@ fleet's other pods, never counted twice (the summary's wire format: test_fleet_s
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from rolegate_proxy.core.beliefs import Evidence, MachineEvidence, MachineKey
+from rolegate_proxy.core.beliefs import Evidence, LogNormal, MachineEvidence, MachineKey
 
 from .test_beliefs import AGG, HOUR, MODEL, ledger, seen
 
@@ -102,3 +104,69 @@ def test_what_a_ledger_shares_is_forgotten_like_its_beliefs() -> None:
     assert now.ttft is not None
     assert later.ttft is not None
     assert later.ttft.n == pytest.approx(now.ttft.n / 4)  # two half-lives
+
+
+# Bounded (SPEC E8): what a peer or a file claims moves a belief only so far --------------
+
+FAST_TTFT = math.log(0.3)
+
+
+def claiming(n: float, mean: float = FAST_TTFT) -> MachineEvidence:
+    """A peer's evidence that `slow` answers its first token in 0.3 s, `n` times over."""
+    return MachineEvidence(SLOW, Evidence(n, n * mean, n * mean * mean), None)
+
+
+def test_a_peer_claiming_a_billion_observations_weighs_no_more_than_the_ledger_s_cap() -> None:
+    """Each peer's pseudo-count is capped at the ledger's own cap (40): a claim of a billion
+    moves the belief exactly as far as a claim of forty, and this pod's own sighting keeps
+    its share."""
+    beliefs = []
+    for n in (40.0, 1e9):
+        book = ledger(*SHEET)
+        book.file(seen("slow", 99.0, ttft=8.0))
+        book.hear([(claiming(n), 1.0)], now=100.0)
+        belief = book.belief_of(SLOW, 100.0)
+        assert belief is not None
+        assert belief.ttft is not None
+        beliefs.append(belief.ttft)
+    capped, loud = beliefs
+    assert loud.weight == pytest.approx(capped.weight)
+    assert loud.mean() == pytest.approx(capped.mean(), rel=1e-9)
+    assert loud.mean() > 0.3 * 1.05  # the own 8 s sighting still pulls it up
+
+
+def test_restored_evidence_weighs_no_more_than_the_ledger_s_cap() -> None:
+    book = ledger(*SHEET)
+    book.restore([claiming(1e9)], age=0.0, now=0.0)
+    belief = book.belief_of(SLOW, 0.0)
+    assert belief is not None
+    assert belief.ttft is not None
+    assert belief.ttft.weight == pytest.approx(book.settings.max_weight)
+
+
+def test_evidence_past_every_bound_still_gives_a_belief_that_answers() -> None:
+    """Defence in depth: evidence the decoder would refuse, handed to the ledger anyway (a
+    log-sum of 1e5, a mean log of -1e5, a spread of 1e300), gives beliefs whose every
+    number is finite: a routing decision and the state endpoint never raise."""
+    for n, s1, s2 in ((1.0, 1e5, 1e10), (1.0, -1e5, 1e10), (2.0, 0.0, 1e300)):
+        book = ledger(*SHEET)
+        book.hear([(MachineEvidence(SLOW, Evidence(n, s1, s2), Evidence(n, s1, s2)), 1.0)], 1.0)
+        (belief,) = [b for b in book.beliefs(1.0) if b.key == SLOW]
+        assert belief.ttft is not None
+        for value in (
+            belief.expected_ttft,
+            belief.expected_rate,
+            belief.expected_seconds(1000),
+            belief.ttft.median(),
+            belief.ttft.upper(2.0),
+            belief.ttft.residual(5.0),
+        ):
+            assert value is not None
+            assert math.isfinite(value), (n, s1, s2)
+
+
+@pytest.mark.parametrize("m", [1e5, -1e5, math.inf, -math.inf, math.nan])
+def test_a_log_normal_never_overflows(m: float) -> None:
+    belief = LogNormal(m, 1.0, 2.0, 1.0)
+    for value in (belief.mean(), belief.median(), belief.upper(2.0), belief.upper(-2.0)):
+        assert 1e-9 <= value <= 1e9

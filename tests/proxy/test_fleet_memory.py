@@ -11,7 +11,7 @@ from rolegate_proxy.core.beliefs import MachineKey
 from rolegate_proxy.core.breaker import Attempted, Breakers
 from rolegate_proxy.core.exclusions import BreakerKey, Transition, Trigger
 from rolegate_proxy.core.fleet import PodMemory, hear_fleet, remember, restore
-from rolegate_proxy.core.score import ObservationKind, Scoreboard
+from rolegate_proxy.core.score import ObservationKind, Scoreboard, ScoreEvidence
 from rolegate_proxy.wire.pod_memory import decode, encode
 
 from .test_beliefs import AGG, HOUR, MODEL, ledger, seen
@@ -209,3 +209,37 @@ def test_two_pods_that_both_tripped_a_key_each_probe_it_and_recover() -> None:
         [recovered_b], "a", ledger(*SHEET), Scoreboard(), 63.0, 1061.0, breakers=a, trip_expiry=90
     )
     assert a.exclusion("p", "m", None, 63.0) is None
+
+
+def test_a_peer_s_score_weighs_no_more_than_a_long_record_whatever_it_claims() -> None:
+    """A record's weight is at most 1 / alpha (a long history's): a peer claiming a weight
+    of a million moves this pod's score exactly as far as one claiming that much."""
+    found = []
+    for claimed in (None, 1e6):
+        scores = Scoreboard()
+        most = 1.0 / scores.settings.alpha
+        for i in range(10):
+            scores.observe(SLOW, ObservationKind.OK, 90.0 + i)
+        peer = ScoreEvidence(10**6, 0.0, most if claimed is None else claimed)
+        scores.hear([(SLOW, peer, 1.0)], 100.0)
+        found.append(scores.operational(SLOW).observed)
+    long_record, loud = found
+    assert loud == pytest.approx(long_record)
+    assert loud is not None
+    assert loud > 0.1  # this pod's ten good answers still count
+
+
+def test_a_restored_score_weighs_no_more_than_a_long_record_whatever_it_claims() -> None:
+    found = []
+    for claimed in (None, 1e6):
+        scores = Scoreboard()
+        most = 1.0 / scores.settings.alpha
+        kept = ScoreEvidence(10**6, 0.0, most if claimed is None else claimed)
+        restore(PodMemory("a", 1000.0, scores=((SLOW, kept),)), ledger(*SHEET), scores, 0.0, 1000.0)
+        for i in range(10):
+            scores.observe(SLOW, ObservationKind.OK, 1.0 + i)
+        found.append(scores.operational(SLOW).observed)
+    long_record, loud = found
+    assert loud == pytest.approx(long_record)
+    assert loud is not None
+    assert loud > 0.1

@@ -74,3 +74,20 @@ def test_a_memory_longer_than_the_kind_holds_is_not_published() -> None:
     )
     with pytest.raises(NotPublishable, match=str(MAX_MEMORY_CHARS)):
         memory_object(PodMemory("p", 1.0, items), "ns")
+
+
+def test_an_object_holding_a_value_no_pod_could_learn_is_refused_naming_the_field() -> None:
+    """A log-sum of 1e5 is a finite number but no time to first token (SPEC E8): the memory
+    is refused whole, the reason names the field and never the value."""
+    poisoned = (
+        '{"format":1,"pod":"p","writtenAt":1,"machines":'
+        '[["agg","m","m1",1,[1,100000,10000000000],null,null]]}'
+    )
+    with pytest.raises(MemoryFormatError, match=r"^machines\[0\]: ttft is out of range") as refused:
+        read_object({"spec": {"pod": "p", "memory": poisoned}})
+    assert "100000" not in str(refused.value)
+    # Read at a given moment: from further ahead than the clocks' skew is the future.
+    ahead = encode(PodMemory("p", 2000.0)).decode()
+    with pytest.raises(MemoryFormatError, match="writtenAt is in the future"):
+        read_object({"spec": {"pod": "p", "memory": ahead}}, now=1000.0)
+    assert read_object({"spec": {"pod": "p", "memory": ahead}}, now=1950.0).written_at == 2000.0

@@ -6,6 +6,9 @@ starts it cold, and it says so."""
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,10 @@ import httpx
 import openai
 import pytest
 
+from rolegate_proxy.edge.server import RunningProxy
+
 from ..support import ProxyFactory, SimFactory, machine_policy, role_table
+from .test_pod_memory import IMPLAUSIBLE_CASES, memory_with
 
 MODEL = "vendor/model-a"
 PROMPT: Any = [{"role": "user", "content": "write the next step"}]
@@ -121,3 +127,101 @@ async def test_a_state_file_that_is_not_a_memory_starts_the_proxy_cold_and_says_
     # The next write replaces it with a real memory.
     await proxy.stop()
     assert b'"format":1' in memory.read_bytes()
+
+
+# Crafted state files (SPEC E8) ------------------------------------------------------------
+
+# Both machines answer at once: what decides the first machine asked is the belief alone.
+INSTANT = {"seed": 1, "models": [{"name": MODEL, "machines": [
+    {"name": "m1", "ttftSeconds": 0, "tokensPerSecond": 0},
+    {"name": "m2", "ttftSeconds": 0, "tokensPerSecond": 0}]}]}  # fmt: skip
+
+
+async def _started(
+    sim_server: SimFactory, proxy_server: ProxyFactory, memory: Path
+) -> RunningProxy:
+    sim = await sim_server(INSTANT)
+    objects = [machine_policy(sim.url, MODEL, SHEETS), role_table(AGENT)]
+    return await proxy_server(objects, state_file=memory)
+
+
+async def _state_answers(url: str) -> None:
+    async with httpx.AsyncClient() as client:
+        response = await client.get(f"{url}/v1/rolegate/state")
+    assert response.status_code == 200, response.text
+
+
+async def test_the_plausible_memory_the_crafted_files_start_from_is_restored(
+    sim_server: SimFactory, proxy_server: ProxyFactory, tmp_path: Path
+) -> None:
+    """The control for the table below: unchanged, the crafted memory (m1's first token in
+    5 s) is taken back, and m2 is asked first."""
+    memory = tmp_path / "memory.json"
+    memory.write_bytes(memory_with(("agg", MODEL, "m1"), now=time.time()))
+    proxy = await _started(sim_server, proxy_server, memory)
+    assert await _expected_ttft(proxy.url, "m1") > 2.0
+    assert await _first_asked(proxy.url) == "m2"
+
+
+@pytest.mark.parametrize(("changes", "field", "value"), IMPLAUSIBLE_CASES)
+async def test_a_crafted_state_file_is_refused_naming_the_field_and_the_proxy_starts_cold(
+    changes: dict[str, Any],
+    field: str,
+    value: str,
+    sim_server: SimFactory,
+    proxy_server: ProxyFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    memory = tmp_path / "memory.json"
+    memory.write_bytes(memory_with(("agg", MODEL, "m1"), now=time.time(), **changes))
+    with caplog.at_level(logging.WARNING, logger="rolegate.proxy.memory"):
+        proxy = await _started(sim_server, proxy_server, memory)
+    # Cold: it answers the state endpoint and serves the role, by the published figures.
+    await _state_answers(proxy.url)
+    assert await _first_asked(proxy.url) == "m1"
+    assert await _expected_ttft(proxy.url, "m1") < 0.1
+    # One warning, naming the file and the field, never the value.
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "rolegate.proxy.memory"]
+    assert f"state file ignored path={memory} reason={field}" in warning
+    reason = warning.split(" reason=", 1)[1]
+    assert value not in reason
+
+
+async def test_the_temporary_file_a_killed_save_left_is_removed_at_start(
+    sim_server: SimFactory,
+    proxy_server: ProxyFactory,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A kill between writing the temporary file and renaming it leaves the temporary file
+    (named as the writer names it: `.<name>.XXXXXXXX.tmp`, or without the suffix from an
+    older version). The next start removes those, and only those."""
+    memory = tmp_path / "memory.json"
+    # As edge/state_file.write_memory names it: `.<name>.`, eight random characters, `.tmp`.
+    handle, left = tempfile.mkstemp(dir=tmp_path, prefix=f".{memory.name}.", suffix=".tmp")
+    os.close(handle)
+    older = tmp_path / f".{memory.name}.k2j4h6g8"
+    older.write_bytes(b'{"format": 1, "po')
+    others = [
+        tmp_path / f".{memory.name}.notes",
+        tmp_path / "other.tmp",
+        tmp_path / ".other.json.abcdefgh.tmp",
+        tmp_path / f"{memory.name}.abcdefgh.tmp",
+    ]
+    for other in others:
+        other.write_text("not the proxy's")
+    assert _names(tmp_path) == {Path(left).name, older.name} | {o.name for o in others}
+    with caplog.at_level(logging.INFO, logger="rolegate.proxy.memory"):
+        proxy = await _started(sim_server, proxy_server, memory)
+    kept = {other.name for other in others}
+    # The two leftovers gone (no save has run yet: only the files not the proxy's remain).
+    assert _names(tmp_path) == kept
+    assert any("state file leftovers removed" in r.getMessage() for r in caplog.records)
+    assert await _first_asked(proxy.url) == "m1"
+    await proxy.stop()  # and its own save leaves nothing behind but the memory
+    assert _names(tmp_path) == {memory.name, *kept}
+
+
+def _names(directory: Path) -> set[str]:
+    return {path.name for path in directory.iterdir()}

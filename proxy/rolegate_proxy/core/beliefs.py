@@ -26,6 +26,12 @@ observed value and an honest spread, wider when little has been seen.
   (None). Its first sighting gives it a weak prior (`learned_weight`) centred on what was
   seen, and from then on it is a candidate, and refusable, like any other (SPEC B2).
 
+* **Bounded (SPEC E8).** Every duration filed is held within core/plausible.py's ranges (a
+  TTFT of 1 ms to 1 h, a gap of 0.1 ms to 1 h), so what a pod shares its peers accept;
+  every exponential a belief answers is held within 1e-9 s to 1e9 s, so no value that
+  reaches it, heard or restored, can overflow a routing decision; and one peer's evidence
+  weighs at most `max_weight` observations, whatever count it claims.
+
 Pure: no I/O, no event loop; the clock is an argument. Memory is bounded (`max_keys`).
 See docs/patience.md.
 """
@@ -43,13 +49,25 @@ from rolegate_policy.config import (
     ProxyConfig,
 )
 
+from .plausible import (
+    GAP_LOG,
+    MAX_BELIEVED_SECONDS,
+    MAX_EVIDENCE_WEIGHT,
+    MIN_BELIEVED_SECONDS,
+    MIN_GAP_SECONDS,
+    MIN_TTFT_SECONDS,
+    TTFT_LOG,
+)
 from .versions import Versions
 
-# Any observed duration is floored here before its log is taken (a burst of tokens in one
-# network read has a gap of "zero").
-MIN_SECONDS: Final = 1e-4
+# Any duration is floored here before its log is taken (a burst of tokens in one network
+# read has a gap of "zero"). Observations are further held within core/plausible.py's
+# ranges when filed, so what a pod shares is always what its peers accept.
+MIN_SECONDS: Final = MIN_GAP_SECONDS
 # A published TTFT of 0 ("instant") is read as this.
-MIN_PUBLISHED_TTFT: Final = 1e-3
+MIN_PUBLISHED_TTFT: Final = MIN_TTFT_SECONDS
+_LOG_BELIEVED_LOW: Final = math.log(MIN_BELIEVED_SECONDS)
+_LOG_BELIEVED_HIGH: Final = math.log(MAX_BELIEVED_SECONDS)
 _SQRT2: Final = math.sqrt(2.0)
 _LOG_SQRT_2PI: Final = 0.5 * math.log(2.0 * math.pi)
 
@@ -96,7 +114,7 @@ class GapStats:
         counted as a gap of seconds / tokens."""
         if tokens <= 0:
             return self
-        y = math.log(max(seconds / tokens, MIN_SECONDS))
+        y = GAP_LOG.clamp(math.log(max(seconds / tokens, MIN_SECONDS)))
         return GapStats(
             self.count + tokens, self.sum_log + tokens * y, self.sum_sq + tokens * y * y
         )
@@ -124,7 +142,7 @@ class GapStats:
     def median_rate(self) -> float | None:
         """Tokens per second at the median gap (exp of the mean log gap)."""
         mean = self.mean_log
-        return None if mean is None else math.exp(-mean)
+        return None if mean is None else 1.0 / duration(mean)
 
 
 # No gaps at all: immutable, so one instance serves every arm that saw none.
@@ -166,6 +184,17 @@ class Sighting:
 
 
 # --- the distributions ------------------------------------------------------------------------
+
+
+def duration(log_seconds: float) -> float:
+    """exp of a log duration, held within what a belief may answer (core/plausible.py):
+    never an OverflowError, never 0 (a rate is its inverse), and a NaN reads as the longest
+    (a belief nobody can read refuses its machine rather than promising it instant)."""
+    if not log_seconds < _LOG_BELIEVED_HIGH:
+        return MAX_BELIEVED_SECONDS
+    if log_seconds < _LOG_BELIEVED_LOW:
+        return MIN_BELIEVED_SECONDS
+    return math.exp(log_seconds)
 
 
 def upper_tail(z: float) -> float:
@@ -225,17 +254,17 @@ class LogNormal(NamedTuple):
         return math.sqrt(self.log_var)
 
     def median(self) -> float:
-        return math.exp(self.m)
+        return duration(self.m)
 
     def mean(self) -> float:
         """The expected value of X: a log-normal's mean at the predictive's location and
         variance, so uncertainty raises it (an unsure belief promises less)."""
         # log_var, written out: this is asked on every routing decision.
-        return math.exp(self.m + 0.5 * self.b / (self.a - 1.0) * (1.0 + 1.0 / self.kappa))
+        return duration(self.m + 0.5 * self.b / (self.a - 1.0) * (1.0 + 1.0 / self.kappa))
 
     def upper(self, z: float) -> float:
         """exp(m + z * sd): e.g. z = 2 is roughly the predictive's 97th percentile."""
-        return math.exp(self.m + z * self.log_sd)
+        return duration(self.m + z * self.log_sd)
 
     def log_pdf(self, x: float) -> float:
         """Log density of the predictive at x (seconds): Student-t on log x, with the
@@ -337,8 +366,9 @@ class LedgerSettings:
     gap_log_sd: float = 0.5
     # One stream's gaps count for at most this many observations.
     stream_weight: float = 8.0
-    # The data behind one quantity never weighs more than this (after forgetting).
-    max_weight: float = 40.0
+    # The data behind one quantity never weighs more than this (after forgetting); also the
+    # most one peer's evidence weighs here (`Ledger.hear`).
+    max_weight: float = MAX_EVIDENCE_WEIGHT
     # Machines tracked at most (least recently sighted dropped first); sheet priors are
     # bounded by the configuration and kept apart.
     max_keys: int = 4096
@@ -433,7 +463,9 @@ class _Stats:
         kappa = prior.kappa + n
         m = (prior.kappa * prior.m + s1) / kappa
         a = prior.a + n / 2.0
-        b = prior.b + scatter / 2.0 + prior.kappa * n * (mean - prior.m) ** 2 / (2.0 * kappa)
+        # A product, not `** 2`: a float power raises OverflowError where a product is inf.
+        shift = mean - prior.m
+        b = prior.b + scatter / 2.0 + prior.kappa * n * shift * shift / (2.0 * kappa)
         return LogNormal(m, kappa, a, b, n)
 
 
@@ -467,10 +499,12 @@ def _evidence(stats: _Stats, now: float, half_life: float) -> Evidence | None:
     return Evidence(n, s1, s2) if n > 1e-6 else None
 
 
-def _stats_of(evidence: Evidence | None, weight: float, now: float) -> _Stats:
-    if evidence is None or weight <= 0:
+def _stats_of(evidence: Evidence | None, weight: float, now: float, cap: float) -> _Stats:
+    """`evidence` at `weight`, its count held at `cap` (the ledger's own never weighs more)."""
+    if evidence is None or not weight > 0 or not evidence.n > 0:
         return _Stats()
-    return _Stats(evidence.n * weight, evidence.s1 * weight, evidence.s2 * weight, now)
+    scale = weight * min(1.0, cap / evidence.n)
+    return _Stats(evidence.n * scale, evidence.s1 * scale, evidence.s2 * scale, now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -694,7 +728,9 @@ class Ledger:
         if sighting.ttft is not None or sighting.waited:
             seen = sighting.ttft if sighting.ttft is not None else sighting.waited
             assert seen is not None
-            y = math.log(max(seen, MIN_SECONDS))
+            # Held within the plausible range (core/plausible.py): a first token within a
+            # millisecond counts as a millisecond, a wait past an hour as an hour.
+            y = TTFT_LOG.clamp(math.log(max(seen, MIN_SECONDS)))
             # The first word about this machine's TTFT seeds a weak prior centred on it (for
             # a censored wait, on the wait itself: a lower bound, so an underestimate). It
             # serves when the sheet has no figure, or stops having one.
@@ -711,12 +747,17 @@ class Ledger:
                 current = entry.ttft.posterior(prior, now, settings.half_life_seconds)
                 if y > current.m:
                     imputed = truncated_mean(current.m, current.log_sd, y)
+                    # Never below the wait (nor a NaN), never past the range.
+                    imputed = TTFT_LOG.clamp(imputed if imputed >= y else y)
                     entry.ttft.add(1.0, imputed, 0.0, now, settings)
 
         # Per-token gaps: one stream is worth at most stream_weight observations.
         gaps = sighting.gaps
         mean, var = gaps.mean_log, gaps.var_log
         if mean is not None and var is not None:
+            # GapStats.add holds each gap within range; these hold any GapStats made whole.
+            mean = GAP_LOG.clamp(mean)
+            var = min(var, GAP_LOG.max_variance)
             weight = min(gaps.count, settings.stream_weight)
             if entry.gap_prior is None:
                 entry.gap_prior = _Prior.around_log(
@@ -744,10 +785,11 @@ class Ledger:
         for the time it spent on the shelf, then as if it had been seen here."""
         factor = 0.5 ** (max(age, 0.0) / self.settings.half_life_seconds)
         settings = self.settings
+        cap = settings.max_weight
         for item in evidence:
             entry = self._entry(item.key)
-            entry.ttft = _stats_of(item.ttft, factor, now)
-            entry.gap = _stats_of(item.gap, factor, now)
+            entry.ttft = _stats_of(item.ttft, factor, now, cap)
+            entry.gap = _stats_of(item.gap, factor, now, cap)
             entry.sightings = max(entry.sightings, item.sightings)
             if item.ttft is not None and entry.ttft_prior is None:
                 entry.ttft_prior = _Prior.around_log(
@@ -764,18 +806,24 @@ class Ledger:
     def hear(self, peers: Iterable[tuple[MachineEvidence, float]], now: float) -> None:
         """Replace what the fleet said: each peer's evidence with the weight it carries
         (its age's forgetting, times any discount), summed per machine. A machine only
-        peers have seen becomes a candidate here too, with a prior seeded from them."""
+        peers have seen becomes a candidate here too, with a prior seeded from them.
+
+        One peer's evidence of one quantity weighs at most `max_weight` observations (what
+        this ledger's own may weigh), whatever count it claims: a peer moves a belief only
+        as far as a sample that size allows, never as far as a billion claimed ones."""
         settings = self.settings
+        cap = settings.max_weight
         heard: dict[MachineKey, tuple[_Stats, _Stats]] = {}
         for item, weight in peers:
-            if weight <= 0:
+            if not weight > 0:
                 continue
             ttft, gap = heard.setdefault(item.key, (_Stats(at=now), _Stats(at=now)))
             for stats, part in ((ttft, item.ttft), (gap, item.gap)):
-                if part is not None:
-                    stats.n += part.n * weight
-                    stats.s1 += part.s1 * weight
-                    stats.s2 += part.s2 * weight
+                if part is not None and part.n > 0:
+                    scale = weight * min(1.0, cap / part.n)
+                    stats.n += part.n * scale
+                    stats.s1 += part.s1 * scale
+                    stats.s2 += part.s2 * scale
         priors: dict[MachineKey, tuple[_Prior | None, _Prior | None]] = {}
         for key, (ttft, gap) in heard.items():
             priors[key] = (

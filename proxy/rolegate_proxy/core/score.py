@@ -468,9 +468,14 @@ class Scoreboard:
 
     def restore(self, items: Iterable[tuple[MachineKey, ScoreEvidence]], now: float) -> None:
         """Take back operational records kept before a restart. (Semantic scores are not
-        kept: an evaluator's judgments count from the restart on.)"""
+        kept: an evaluator's judgments count from the restart on.) A record's weight is
+        held at 1 / alpha, the most one can reach here: a file claiming more would
+        otherwise freeze the score against the next hundreds of observations."""
+        most = 1.0 / self._alpha
         for key, evidence in items:
             record = self._record(key, now)
+            if evidence.weight > most:
+                evidence = ScoreEvidence(evidence.n, evidence.mean, most)
             record.operational.restore(evidence)
             record.view = self._view_of(record)
         self.versions.changed_all()
@@ -479,16 +484,22 @@ class Scoreboard:
         """Replace what the fleet said: each peer's record with the weight its age leaves
         it, summed per machine, counted with this pod's own observations in the view (the
         mean weighted by the records' weights, the count by their counts). Only `evidence`
-        is ever shared, so nothing heard is passed on."""
+        is ever shared, so nothing heard is passed on.
+
+        One peer's record weighs at most 1 / alpha in the mean, the most any record here
+        can weigh (a long history's total weight): a peer claiming more moves the score
+        no further than a long honest record would."""
+        most = 1.0 / self._alpha
         heard: dict[MachineKey, tuple[float, float, float]] = {}
         for key, evidence, weight in peers:
-            if weight <= 0:
+            carried = min(evidence.weight, most) * weight
+            if not carried > 0:
                 continue
             n, total, weighted = heard.get(key, (0.0, 0.0, 0.0))
             heard[key] = (
                 n + evidence.n * weight,
-                total + evidence.weight * weight,
-                weighted + evidence.mean * evidence.weight * weight,
+                total + carried,
+                weighted + evidence.mean * carried,
             )
         for key, record in self._records.items():
             if record.heard is not None and key not in heard:

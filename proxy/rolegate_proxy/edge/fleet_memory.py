@@ -18,7 +18,9 @@ takes its own back after a restart.
   change (coalesced: at most once a second), takes every peer's memory into its priors
   with `core/fleet.hear_fleet` (weighted by age, its own skipped, nothing heard passed on),
   and keeps out the keys a peer holds open for up to `trip_expiry` after its last word.
-  An object that is not a memory is ignored with one warning naming it, never quoting it.
+  An object that is not a memory, or holds a value no pod could have learned (an
+  implausible TTFT, a count past the ledger's cap, a time in the future: core/plausible.py),
+  is ignored whole with one warning naming it and the field, never quoting a value.
   A memory older than a day is ignored, and deleted by whichever pod sees it, with a
   resourceVersion precondition, so a fresh write is never deleted.
 - **Restoring.** Before the first request a pod reads its own object (a container restart
@@ -131,13 +133,15 @@ def memory_object(memory: PodMemory, namespace: str) -> Object:
     }
 
 
-def read_object(obj: Object) -> PodMemory:
-    """The memory a ProxyMemory holds; `MemoryFormatError` (naming what is wrong, never
-    quoting it) when it holds none."""
+def read_object(obj: Object, now: float | None = None) -> PodMemory:
+    """The memory a ProxyMemory holds, read at `now` (the wall clock when None);
+    `MemoryFormatError` (naming what is wrong, never quoting it) when it holds none, or one
+    with a value no pod could have learned (wire/pod_memory.py): that memory is never
+    heard, restored or republished."""
     spec = obj.get("spec")
     if not isinstance(spec, dict) or not isinstance(spec.get("memory"), str):
         raise MemoryFormatError("spec.memory is not a string")
-    memory = decode(spec["memory"].encode())
+    memory = decode(spec["memory"].encode(), now)
     if spec.get("pod") != memory.pod:
         raise MemoryFormatError("spec.pod is not the pod the memory names")
     return memory

@@ -2,11 +2,13 @@
 `--state-save-seconds` and once more at shutdown, so a restarted process routes from what
 it had learned instead of from the published figures alone.
 
-Writes are atomic (a temporary file in the same directory, flushed to disk, then renamed
-over the old one): a crash mid-write leaves the previous memory, never half of one. All
-file work runs in a worker thread; the request path never waits on it. A file that is
-missing starts the pod cold; one that is unreadable, corrupt or from another format
-starts it cold too, with a warning naming the file and what is wrong (never its content).
+Writes are atomic (a temporary file `.<name>.XXXXXXXX.tmp` in the same directory, flushed
+to disk, then renamed over the old one): a crash mid-write leaves the previous memory,
+never half of one, and the temporary file, which the next start removes. All file work
+runs in a worker thread; the request path never waits on it. A file that is missing
+starts the pod cold; one that is unreadable, corrupt, from another format or holding a
+value no pod could have learned (wire/pod_memory.py, core/plausible.py) starts it cold
+too, with a warning naming the file and the field that is wrong (never a value).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
+from typing import Final
 
 from ..core.fleet import PodMemory, remember, restore
 from ..wire.pod_memory import MemoryFormatError, decode, encode
@@ -27,7 +31,13 @@ from .status_reporter import pod_name
 log = logging.getLogger("rolegate.proxy.memory")
 
 
-def read_memory(path: Path) -> PodMemory | None:
+# What `write_memory` names its temporary file, after the memory's own name.
+TEMPORARY_SUFFIX: Final = ".tmp"
+
+
+def read_memory(path: Path, now: float | None = None) -> PodMemory | None:
+    """The memory kept at `path`, read at `now` (the wall clock when None); None when there
+    is none or it is refused (with a warning)."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -36,7 +46,7 @@ def read_memory(path: Path) -> PodMemory | None:
         log.warning("state file unreadable path=%s error=%s", path, error.strerror)
         return None
     try:
-        return decode(data)
+        return decode(data, now)
     except MemoryFormatError as error:
         log.warning("state file ignored path=%s reason=%s", path, error)
         return None
@@ -45,7 +55,9 @@ def read_memory(path: Path) -> PodMemory | None:
 def write_memory(path: Path, memory: PodMemory) -> None:
     """Atomically replace `path` with `memory`."""
     data = encode(memory)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    handle, temporary = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX
+    )
     try:
         with os.fdopen(handle, "wb") as file:
             file.write(data)
@@ -58,6 +70,37 @@ def write_memory(path: Path, memory: PodMemory) -> None:
         raise
 
 
+def remove_leftovers(path: Path) -> int:
+    """Remove the temporary files a write of `path` left behind when the process was killed
+    between creating and renaming one; how many. Only names `write_memory` makes (mkstemp's
+    eight characters after `.<name>.`, with or without the suffix older versions did not
+    add), only regular files. Two processes must not share one state file anyway."""
+    name, suffix = re.escape(path.name), re.escape(TEMPORARY_SUFFIX)
+    own = re.compile(rf"\.{name}\.[a-z0-9_]{{8}}(?:{suffix})?")
+    removed = 0
+    try:
+        with os.scandir(path.parent) as entries:
+            leftovers = [
+                entry.path
+                for entry in entries
+                if own.fullmatch(entry.name) and entry.is_file(follow_symlinks=False)
+            ]
+    except OSError:
+        return 0  # no directory yet: nothing left behind, and the first write says why
+    for leftover in leftovers:
+        try:
+            os.unlink(leftover)
+        except FileNotFoundError:
+            continue
+        except OSError as error:
+            log.warning(
+                "state file leftover not removed path=%s error=%s", leftover, error.strerror
+            )
+            continue
+        removed += 1
+    return removed
+
+
 class StateKeeper:
     """Restores the pod's memory from `path` and keeps it there."""
 
@@ -66,6 +109,9 @@ class StateKeeper:
         self._path = path
 
     async def restore(self) -> None:
+        removed = await asyncio.to_thread(remove_leftovers, self._path)
+        if removed:
+            log.info("state file leftovers removed path=%s files=%d", self._path, removed)
         memory = await asyncio.to_thread(read_memory, self._path)
         if memory is None:
             return

@@ -21,12 +21,18 @@ when it was seen, in seconds before `writtenAt` (the novelty baseline). Each tri
 `[provider, model, machine, family, outcomes, faults]`: a breaker key's rate window.
 
 A memory that does not parse, names a newer format, or breaks a bound is refused whole
-(`MemoryFormatError`): a pod starts cold rather than from a half-read memory.
+(`MemoryFormatError`): a pod starts cold rather than from a half-read memory. The bounds
+are on values as well as shape (core/plausible.py, SPEC E8): each evidence's mean log
+must be a plausible TTFT or gap, its sum of squares consistent with its sum, its count no
+more than a ledger keeps; scores, sightings, windows and ages within what a pod counts;
+`writtenAt` not in the future. The error names the field (`machines[3]: ttft`), never a
+value. `encode` writes nothing `decode` would refuse.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Final, TypeGuard
 
 import orjson
@@ -39,6 +45,17 @@ from ..core.beliefs import Evidence, MachineEvidence, MachineKey
 from ..core.breaker import FaultMarks, RateCount
 from ..core.exclusions import BreakerKey
 from ..core.fleet import PodMemory
+from ..core.plausible import (
+    GAP_LOG,
+    MAX_CLOCK_SKEW_SECONDS,
+    MAX_COUNT,
+    MAX_FAULT_AGE_SECONDS,
+    MAX_RATE_WINDOW,
+    TTFT_LOG,
+    LogRange,
+    evidence_fault,
+    within,
+)
 from ..core.score import ScoreEvidence
 
 FORMAT: Final = 1
@@ -48,10 +65,8 @@ MAX_NAME_CHARS: Final = 253
 # Fault rows a memory may hold, and marks a row may hold.
 MAX_FAULTS: Final = 4096
 MAX_MARKS: Final = 64
-# No rate window is longer (BreakerSpec.rate_window's bound is far below).
-MAX_WINDOW: Final = 100_000
-# No pseudo-count is larger than the ledger's cap; this bound only refuses nonsense.
-MAX_COUNT: Final = 1e9
+# No rate window is longer (BreakerSpec.rate_window's bound).
+MAX_WINDOW: Final = MAX_RATE_WINDOW
 
 
 class MemoryFormatError(ValueError):
@@ -63,10 +78,10 @@ def encode(memory: PodMemory) -> bytes:
     rows: dict[MachineKey, list[Any]] = {}
     for item in memory.machines:
         row = rows.setdefault(item.key, [*item.key, 0, None, None, None])
-        row[3:6] = [item.sightings, _evidence(item.ttft), _evidence(item.gap)]
+        row[3:6] = [min(item.sightings, MAX_COUNT), _evidence(item.ttft), _evidence(item.gap)]
     for key, score in memory.scores:
         row = rows.setdefault(key, [*key, 0, None, None, None])
-        row[6] = [score.n, _short(score.mean), _short(score.weight)]
+        row[6] = [min(score.n, MAX_COUNT), _short(score.mean), _short(score.weight)]
     return orjson.dumps(
         {
             "format": FORMAT,
@@ -74,8 +89,9 @@ def encode(memory: PodMemory) -> bytes:
             "writtenAt": round(memory.written_at, 3),
             "machines": list(rows.values())[:MAX_MACHINES],
             "faults": [
-                [*fault.key, fault.signature, [round(age, 1) for age in fault.ages[-MAX_MARKS:]]]
+                [*fault.key, fault.signature, ages]
                 for fault in memory.faults[:MAX_FAULTS]
+                if (ages := _ages(fault.ages))
             ],
             "trips": [[*key, reason.value] for key, reason in memory.trips[:MAX_FAULTS]],
             "rates": [
@@ -92,6 +108,11 @@ def machine_count(memory: PodMemory) -> int:
     return min(len(keys), MAX_MACHINES)
 
 
+def _ages(ages: tuple[float, ...]) -> list[float]:
+    """The marks a reader takes back: none older than any novelty window."""
+    return [round(age, 1) for age in ages[-MAX_MARKS:] if 0 <= age <= MAX_FAULT_AGE_SECONDS]
+
+
 def _evidence(evidence: Evidence | None) -> list[float] | None:
     if evidence is None:
         return None
@@ -102,7 +123,9 @@ def _short(x: float) -> float:
     return float(f"{x:.6g}")
 
 
-def decode(data: bytes) -> PodMemory:
+def decode(data: bytes, now: float | None = None) -> PodMemory:
+    """The memory `data` holds, read at `now` (seconds since the epoch; the wall clock when
+    None), or `MemoryFormatError` naming the first field that is wrong."""
     try:
         document = orjson.loads(data)
     except orjson.JSONDecodeError:
@@ -117,6 +140,10 @@ def decode(data: bytes) -> PodMemory:
     written_at = document.get("writtenAt")
     if not _number(written_at) or written_at < 0:
         raise MemoryFormatError("writtenAt is not a time")
+    if written_at > (time.time() if now is None else now) + MAX_CLOCK_SKEW_SECONDS:
+        raise MemoryFormatError(
+            f"writtenAt is in the future (more than {MAX_CLOCK_SKEW_SECONDS:g} s ahead)"
+        )
     evidence: list[MachineEvidence] = []
     scores: list[tuple[MachineKey, ScoreEvidence]] = []
     for index, item in enumerate(machines):
@@ -126,8 +153,11 @@ def decode(data: bytes) -> PodMemory:
         provider, model, machine, sightings, ttft, gap, score = item
         key = MachineKey(_name(provider, where), _name(model, where), _name(machine, where))
         if not _count(sightings):
-            raise MemoryFormatError(f"{where}: sightings is not a count")
-        beliefs = (_read_evidence(ttft, f"{where}: ttft"), _read_evidence(gap, f"{where}: gap"))
+            raise MemoryFormatError(f"{where}: sightings is not a count of 0 to {MAX_COUNT:.0e}")
+        beliefs = (
+            _read_evidence(ttft, f"{where}: ttft", TTFT_LOG),
+            _read_evidence(gap, f"{where}: gap", GAP_LOG),
+        )
         if beliefs != (None, None):
             evidence.append(MachineEvidence(key, *beliefs, sightings))
         if score is not None:
@@ -195,8 +225,10 @@ def _fault(item: Any, where: str) -> FaultMarks:
     key = _breaker_key(provider, model, machine, where)
     if not isinstance(ages, list) or not 0 < len(ages) <= MAX_MARKS:
         raise MemoryFormatError(f"{where}: ages is not a list of 1 to {MAX_MARKS}")
-    if not all(_number(age) and age >= 0 for age in ages):
-        raise MemoryFormatError(f"{where}: an age is not a number of seconds")
+    if not all(_number(age) and 0 <= age <= MAX_FAULT_AGE_SECONDS for age in ages):
+        raise MemoryFormatError(
+            f"{where}: an age is not a number of seconds up to {MAX_FAULT_AGE_SECONDS:g}"
+        )
     return FaultMarks(key, _name(signature, where), tuple(float(age) for age in ages))
 
 
@@ -210,19 +242,27 @@ def _read_score(value: Any, where: str) -> ScoreEvidence:
     n, mean, weight = value
     if not (_count(n) and n > 0 and _number(mean) and _number(weight)):
         raise MemoryFormatError(f"{where} is not [observations, mean, weight]")
-    if not (0.0 <= mean <= 1.0 and 0.0 < weight <= n):
-        raise MemoryFormatError(f"{where} is out of range")
+    # An observation is worth 0 to 1 (score.observation_value), so is their mean.
+    if not 0.0 <= mean <= 1.0:
+        raise MemoryFormatError(f"{where} is out of range: its mean is not in [0, 1]")
+    # A running score's total weight is 1 after its first observation and grows by less
+    # than 1 with each next one: at least 1, at most its count.
+    if not within(weight, 1.0, float(n)):
+        raise MemoryFormatError(
+            f"{where} is out of range: its weight is not between 1 and its observations"
+        )
     return ScoreEvidence(n, float(mean), float(weight))
 
 
-def _read_evidence(value: Any, where: str) -> Evidence | None:
+def _read_evidence(value: Any, where: str, durations: LogRange) -> Evidence | None:
     if value is None:
         return None
     if not isinstance(value, list) or len(value) != 3 or not all(_number(x) for x in value):
         raise MemoryFormatError(f"{where} is not [n, sum, sum of squares]")
     n, s1, s2 = (float(x) for x in value)
-    if not 0 < n <= MAX_COUNT or s2 < 0:
-        raise MemoryFormatError(f"{where} is out of range")
+    fault = evidence_fault(n, s1, s2, durations)
+    if fault is not None:
+        raise MemoryFormatError(f"{where} is out of range: {fault}")
     return Evidence(n, s1, s2)
 
 
