@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bounds.py answers [--rolegate PATH]   # bench/results/bounds-answers.txt
     .venv/bin/python bench/bounds.py soak [--minutes 10]         # bench/results/bounds-soak.txt
+    .venv/bin/python bench/bounds.py census [--at 60000 150000]  # bench/results/bounds-census.txt
 
 `answers`: the proxy's peak RSS when an upstream answers 200 MB (non-streamed, chunked),
 a 50 MB event, or a gzip bomb (200 MB inside about 200 KB), each in a fresh proxy process
@@ -13,6 +14,11 @@ issue 30 read a body whole).
 for `--minutes`; its RSS every 15 s beside the requests it had answered, so the curve
 shows where each bounded store is full (the feedback index remembers the last 50,000
 answered requests) and the RSS stops growing.
+
+`census`: the same load on a proxy in this process (with the simulator and the clients:
+slower, but every object is in reach), counting the objects alive, by type, after each
+`--at` number of requests, and every container of more than 3,000 entries: whether
+what the RSS does is a store growing or memory the allocator kept.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import tempfile
 import time
@@ -173,7 +180,9 @@ def answers(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _load(url: str, until: float, answered: list[int]) -> None:
+async def _load(
+    url: str, until: float, answered: list[int], *, until_answered: float = math.inf
+) -> None:
     bodies = [
         json.dumps(
             {
@@ -189,7 +198,7 @@ async def _load(url: str, until: float, answered: list[int]) -> None:
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def worker(turn: int) -> None:
-            while time.monotonic() < until:
+            while time.monotonic() < until and answered[0] < until_answered:
                 body = bodies[turn % 2]
                 turn += 1
                 async with session.post(
@@ -255,6 +264,72 @@ def soak(args: argparse.Namespace) -> int:
     return 0
 
 
+def census(args: argparse.Namespace) -> int:
+    import collections
+    import gc
+
+    from rolegate_proxy.edge.server import start as start_proxy
+    from rolegate_proxy.edge.settings import ProxySettings
+    from rolegate_sim.scenario import parse_scenario
+    from rolegate_sim.server import start as start_sim
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests
+    from tests.support import compile_objects, provider_policy, role, role_table
+
+    def alive() -> tuple[collections.Counter[str], list[tuple[str, int]]]:
+        gc.collect()
+        objects = gc.get_objects()
+        kinds = collections.Counter(type(o).__name__ for o in objects)
+        big = sorted(
+            ((type(o).__name__, len(o)) for o in objects
+             if isinstance(o, dict | list | set | collections.deque) and len(o) > 3000),
+            key=lambda found: -found[1],
+        )  # fmt: skip
+        return kinds, big
+
+    async def counted() -> list[str]:
+        model = sim_model("bench/calm", 20, ["m1"])
+        sim = await start_sim(parse_scenario({"seed": 1, "recordLimit": 1000,
+                                              "models": [model]}), "127.0.0.1", 0)  # fmt: skip
+        config = compile_objects(
+            [
+                provider_policy("sim", f"{sim.url}/v1", {"bench/calm": ["m1"]}),
+                role_table(role("calm", ["bench/calm"], patience=60, ruling="Order")),
+            ]
+        )
+        proxy = await start_proxy(ProxySettings(host="127.0.0.1", port=0), config)
+        lines: list[str] = []
+        answered = [0]
+        first: collections.Counter[str] | None = None
+        try:
+            for count in args.at:
+                await _load(proxy.url, math.inf, answered, until_answered=count)
+                kinds, big = alive()
+                first = first or kinds
+                grown = (kinds - first).most_common(5)
+                lines.append(
+                    f"{answered[0]:>10,} {sum(kinds.values()):>9,}  {big}  grown since the "
+                    f"first count: {grown}"
+                )
+                print(lines[-1], flush=True)
+        finally:
+            await proxy.stop()
+            await sim.stop()
+        return lines
+
+    rows = [
+        "Objects alive in a proxy under load (in one process with the simulator and 8 "
+        "clients), after each number of answered requests; every container of more than "
+        "3,000 entries; the types that grew since the first count.",
+        "",
+        f"{'answered':>10} {'objects':>9}  containers over 3,000  growth",
+        *run(counted()),
+        "",
+        where_it_ran(),
+    ]
+    publish(rows, args.out or Path(__file__).parent / "results" / "bounds-census.txt")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -267,6 +342,10 @@ def main() -> int:
     two.add_argument("--minutes", type=float, default=10.0)
     two.add_argument("--out", type=Path)
     two.set_defaults(handler=soak)
+    three = commands.add_parser("census", help="objects alive in a proxy under load")
+    three.add_argument("--at", type=int, nargs="+", default=[60_000, 150_000])
+    three.add_argument("--out", type=Path)
+    three.set_defaults(handler=census)
     args = parser.parse_args()
     handler = args.handler
     assert callable(handler)
