@@ -112,6 +112,15 @@ def manifests(hostile: str, sim: str) -> list[dict[str, object]]:
     ]
 
 
+def start_sim(procs: Processes, root: Path, port: int) -> Proc:
+    """The simulator serving `bench/calm` (20-token answers, at once) on `port`."""
+    write_scenario(root / "scenario.json", [sim_model("bench/calm", 20, ["m1"])])
+    scenario = str(root / "scenario.json")
+    return procs.start(
+        "sim", [rolegate_command(), "sim", "--scenario", scenario, "--port", str(port)]
+    )
+
+
 async def ask(url: str, case: Case, times: int) -> list[int]:
     body = {
         "model": case.model.rpartition("/")[2],
@@ -143,15 +152,11 @@ def answers(args: argparse.Namespace) -> int:
         "-" * 91,
     ]
     with Processes(root) as procs:
-        cli = rolegate_command()
         hostile_port, sim_port = free_port(), free_port()
         hostile = f"http://127.0.0.1:{hostile_port}"
         sim_url = f"http://127.0.0.1:{sim_port}"
         procs.start("hostile", [sys.executable, str(HOSTILE), "--port", str(hostile_port)])
-        write_scenario(root / "scenario.json", [sim_model("bench/calm", 20, ["m1"])])
-        sim = procs.start(
-            "sim", [cli, "sim", "--scenario", str(root / "scenario.json"), "--port", str(sim_port)]
-        )
+        sim = start_sim(procs, root, sim_port)
         run(sim.ready(f"{sim_url}/healthz", 30))
         write_manifests(root / "manifests", manifests(hostile, sim_url))
         for label, command in builds:
@@ -240,10 +245,7 @@ def soak(args: argparse.Namespace) -> int:
         cli = rolegate_command()
         sim_port, port = free_port(), free_port()
         sim_url, url = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{port}"
-        write_scenario(root / "scenario.json", [sim_model("bench/calm", 20, ["m1"])])
-        sim = procs.start(
-            "sim", [cli, "sim", "--scenario", str(root / "scenario.json"), "--port", str(sim_port)]
-        )
+        sim = start_sim(procs, root, sim_port)
         # No hostile upstream here: its roles are never asked.
         write_manifests(root / "manifests", manifests("http://127.0.0.1:9", sim_url))
         proxy = procs.start(
@@ -272,6 +274,7 @@ def census(args: argparse.Namespace) -> int:
     from rolegate_proxy.edge.settings import ProxySettings
     from rolegate_sim.scenario import parse_scenario
     from rolegate_sim.server import start as start_sim
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests
     from tests.support import compile_objects, provider_policy, role, role_table
 

@@ -204,12 +204,21 @@ async def _sent(rig: Rig) -> dict[str, int]:
         return found
 
 
-def _refused_then_rescued(outcome: Outcome, flag: str) -> None:
+async def _refused_then_rescued(
+    rig: Rig, kind: str, flag: str, turns: LoopTurns, calm: Calm
+) -> None:
+    """The answer past its bound was that arm's fault, named by its flag, and the next
+    machine answered; nobody else waited meanwhile; and reading stopped at the bound."""
+    assert set(calm.answered) == {REPLY}
+    assert turns.longest < MOST_HELD, f"the loop was held {turns.longest:.3f} s"
+    outcome = await _last_outcome(rig.proxy, kind)
     first, *rest = outcome.arms
     assert first.result is ArmResult.PARSE_FAILURE, first
     assert flag in first.detail, first.detail
     assert rest, outcome.arms
     assert rest[-1].model == GOOD, outcome.arms
+    if kind in MOST_SENT:
+        assert (await _sent(rig)).get(kind, 0) < MOST_SENT[kind]
 
 
 @pytest.mark.parametrize("kind", STREAMED)
@@ -234,11 +243,7 @@ async def test_a_streamed_answer_past_a_bound_is_refused_and_rescued(rig: Rig, k
     else:
         assert text == REPLY
     assert finish == "stop"
-    assert set(calm.answered) == {REPLY}
-    assert turns.longest < MOST_HELD, f"the loop was held {turns.longest:.3f} s"
-    _refused_then_rescued(await _last_outcome(rig.proxy, kind), STREAMED[kind])
-    if kind in MOST_SENT:
-        assert (await _sent(rig)).get(kind, 0) < MOST_SENT[kind]
+    await _refused_then_rescued(rig, kind, STREAMED[kind], turns, calm)
 
 
 @pytest.mark.parametrize("kind", WHOLE)
@@ -252,8 +257,4 @@ async def test_a_whole_answer_past_a_bound_is_refused_and_rescued(rig: Rig, kind
         )
         await calm.served(3)
     assert reply.choices[0].message.content == REPLY
-    assert set(calm.answered) == {REPLY}
-    assert turns.longest < MOST_HELD, f"the loop was held {turns.longest:.3f} s"
-    _refused_then_rescued(await _last_outcome(rig.proxy, kind), WHOLE[kind])
-    if kind in MOST_SENT:
-        assert (await _sent(rig)).get(kind, 0) < MOST_SENT[kind]
+    await _refused_then_rescued(rig, kind, WHOLE[kind], turns, calm)
