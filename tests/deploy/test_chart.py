@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import pytest
 import yaml
 
 from rolegate_cli.controlplane import REPO_ROOT, ControlPlane, installed_binaries, scratch_dir
+from rolegate_cli.main import _parser
 from rolegate_proxy.edge.tracing import from_environment
 
 from .conftest import (
@@ -652,6 +654,28 @@ def test_proxy_connection_limits_render_as_flags() -> None:
     ]  # fmt: skip
 
 
+def test_the_answer_bounds_render_as_flags_the_proxy_takes() -> None:
+    """How much of an upstream's answer is read (docs/proxy.md, Bounds) is the chart's to
+    set, and what it renders the proxy's own parser accepts."""
+    docs = render(
+        RELEASE, NS,
+        sets=[
+            "proxy.maxEventBytes=1048576",
+            "proxy.maxAnswerBytes=16777216",
+            "proxy.maxDecompressionRatio=50.5",
+        ],
+    )  # fmt: skip
+    args = container(docs, "proxy")["args"]
+    flags = ("--max-event-bytes", "--max-answer-bytes", "--max-decompression-ratio")
+    rendered = [args[args.index(flag) + 1] for flag in flags]
+    assert rendered == ["1048576", "16777216", "50.5"]
+    given = chain.from_iterable(zip(flags, rendered, strict=True))
+    parsed = _parser().parse_args(["proxy", "--manifests", ".", *given])
+    assert (parsed.max_event_bytes, parsed.max_answer_bytes, parsed.max_decompression_ratio) == (
+        1048576, 16777216, 50.5,
+    )  # fmt: skip
+
+
 def test_json_logs_and_tracing_render_as_the_proxy_reads_them() -> None:
     """`logFormat` reaches both pods' flags, and `proxy.tracing` renders the OTEL_* variables
     that the proxy's own reader (edge/tracing.py) turns into an OTLP export with the ratio
@@ -695,6 +719,8 @@ def test_proxy_deployment(renders: dict[str, Docs]) -> None:
         "--host", "0.0.0.0", "--port", "8080", "--metrics-port", "9090",
         "--secrets-dir", SECRETS_DIR,
         "--shutdown-grace-seconds", "30", "--max-body-bytes", "4194304",
+        "--max-event-bytes", "4194304", "--max-answer-bytes", "67108864",
+        "--max-decompression-ratio", "200",
         "--header-timeout-seconds", "10", "--body-timeout-seconds", "30",
         "--idle-timeout-seconds", "75", "--max-connections", "4096",
         "--token-cache-seconds", "60", "--status-heartbeat-seconds", "30",
