@@ -293,15 +293,12 @@ class Relay:
     _alarm: _Alarm | None = None
     # The client's holding before this relay began (`ClientStream.client_held`).
     _held_before: float = field(init=False)
+    # The stream's own time (`_stream_clock`).
+    _now: Clock = field(init=False)
 
     def __post_init__(self) -> None:
         self._held_before = self.client.client_held
-
-    def _now(self) -> float:
-        """The stream's own time: the clock less what the client held it (a slow reader
-        stops the upstream by back-pressure; that wait is neither a silence nor a gap of
-        the machine's, and no patience of the caller's is spent on it)."""
-        return self.clock() - (self.client.client_held - self._held_before)
+        self._now = _stream_clock(self.clock, self.client)
 
     async def run(self) -> Stop:
         """Forward until the answer is complete, the stream breaks, or it should move."""
@@ -528,6 +525,20 @@ class Relay:
         now = self._content_at = self._now()
         self._check_at = None
         return None if first else self._acted(self.watch.observe(now, tokens=tokens))
+
+
+def _stream_clock(clock: Clock, client: ClientStream) -> Clock:
+    """A stream's own time: `clock` less what its client held it from now on (a slow
+    reader stops the upstream by back-pressure; that wait is neither a silence nor a gap
+    of the machine's, and no patience of the caller's is spent on it). A closure, not a
+    method: the relay's alarm keeps it, and a bound method would tie the relay into a
+    cycle that only the cycle collector frees, buffers and all."""
+    held_before = client.client_held
+
+    def now() -> float:
+        return clock() - (client.client_held - held_before)
+
+    return now
 
 
 class _Forward:
