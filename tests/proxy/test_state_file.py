@@ -195,7 +195,7 @@ async def test_the_temporary_file_a_killed_save_left_is_removed_at_start(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """A kill between writing the temporary file and renaming it leaves the temporary file
-    (named as the writer names it: `.<name>.XXXXXXXX.tmp`, or without the suffix from an
+    (named as the writer names it: `.<name>.<8 random>.tmp`, or without the suffix from an
     older version). The next start removes those, and only those."""
     memory = tmp_path / "memory.json"
     # As edge/state_file.write_memory names it: `.<name>.`, eight random characters, `.tmp`.

@@ -2,7 +2,7 @@
 `--state-save-seconds` and once more at shutdown, so a restarted process routes from what
 it had learned instead of from the published figures alone.
 
-Writes are atomic (a temporary file `.<name>.XXXXXXXX.tmp` in the same directory, flushed
+Writes are atomic (a temporary file `.<name>.<8 random>.tmp` in the same directory, flushed
 to disk, then renamed over the old one): a crash mid-write leaves the previous memory,
 never half of one, and the temporary file, which the next start removes. All file work
 runs in a worker thread; the request path never waits on it. A file that is missing
