@@ -350,6 +350,7 @@ def _compile_provider(manifest: Manifest, spec: ProviderPolicySpec) -> CompiledP
                 tokens_per_second=machine.tokens_per_second,
                 price_input_per_mtok=machine.price_input_per_mtok,
                 price_output_per_mtok=machine.price_output_per_mtok,
+                max_concurrency=machine.max_concurrency,
                 continues_partial_message=machine.continues_partial_message,
                 echoes_partial_message=machine.echoes_partial_message,
             )
@@ -447,6 +448,7 @@ class _RoleStage:
                     ruling_reason=ruling.reason,
                     expected_output_tokens=role.expected_output_tokens,
                     quality_tolerance=role.quality_tolerance,
+                    speed_tolerance=role.speed_tolerance,
                     exploration_share=role.exploration_share,
                     delivery=ruling.delivery,
                     retry=role.retry,

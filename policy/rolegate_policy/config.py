@@ -41,6 +41,8 @@ class CompiledMachine(Frozen):
     tokens_per_second: float | None = None
     price_input_per_mtok: float | None = None
     price_output_per_mtok: float | None = None
+    # Requests it serves at once (None: learned, see core/load.py).
+    max_concurrency: int | None = None
     continues_partial_message: bool = False
     echoes_partial_message: bool = False
 
@@ -90,6 +92,9 @@ class CompiledRole(Frozen):
     expected_output_tokens: int
     # Operational scores this close count as equal quality; cost breaks the tie (SPEC C5).
     quality_tolerance: float = 0.05
+    # A machine expected this many times slower than the fastest of equal quality never
+    # leads (SPEC B3, B8).
+    speed_tolerance: float = 1.5
     # The share of decisions that explore (SPEC G3); None: the proxy's --explore-share.
     exploration_share: float | None = None
     # `Auto` resolved to `Live` or `Buffered` (SPEC E5).

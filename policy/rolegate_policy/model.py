@@ -301,6 +301,18 @@ class RoleSpec(SpecModel):
             "strictly by score."
         ),
     )
+    speed_tolerance: float = Field(
+        default=1.5,
+        ge=1,
+        le=1000,
+        description=(
+            "How many times slower than the fastest machine of equal quality (within "
+            "qualityTolerance) a machine may be expected to deliver a usable answer and "
+            "still lead: a slower one is ordered after it, and loses the role's affinity. "
+            "Expected times include each machine's queue (requests in flight against its "
+            "concurrency)."
+        ),
+    )
     exploration_share: float | None = Field(
         default=None,
         ge=0,
@@ -443,6 +455,16 @@ class MachineSpec(SpecModel):
         ge=0,
         le=1_000_000,
         description="Price of output (completion) tokens, in USD per million tokens.",
+    )
+    max_concurrency: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "How many requests this machine serves at once (a llama.cpp server's slots, a "
+            "vLLM server's batch); more wait in its queue. Unset: learned from how its "
+            "time to first token grows with the requests in flight on it."
+        ),
     )
     continues_partial_message: bool = Field(
         default=False,
