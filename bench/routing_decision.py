@@ -55,7 +55,8 @@ from rolegate_policy.enums import (
 )
 from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
 from rolegate_proxy.core.breaker import Attempted, Breakers
-from rolegate_proxy.core.chooser import Chooser, Fate
+from rolegate_proxy.core.choice import Fate
+from rolegate_proxy.core.chooser import Chooser
 from rolegate_proxy.core.decisions import Decision
 from rolegate_proxy.core.routing import plan_candidates
 from rolegate_proxy.core.score import ObservationKind, Scoreboard, ScoreScale
@@ -93,7 +94,7 @@ class World:
         self.breakers.record(
             Attempted.answered(key.provider, key.model, OK, machine=key.machine), self.now
         )
-        self.chooser.answered(self.role.name, key)
+        self.chooser.affinity.answered(self.role.name, key)
 
 
 def world(count: int) -> World:

@@ -71,6 +71,9 @@ async def proxy_server() -> AsyncIterator[ProxyFactory]:
     yield make
     for proxy in running:
         await proxy.stop()
+        # Every arm ended, whatever ended it (an answer, a fault, the client, the shutdown),
+        # gave its place in its machine's queue back: a leak would make it look busy.
+        assert proxy.state.dispatcher.load.out() == 0, "an arm never gave its ticket back"
 
 
 # The real control plane for Kubernetes tests: etcd + kube-apiserver, one per run, shared

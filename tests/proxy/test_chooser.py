@@ -30,11 +30,8 @@ from rolegate_policy.model import (
 )
 from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
 from rolegate_proxy.core.breaker import Attempted, Breakers
-from rolegate_proxy.core.chooser import (
-    Choice,
-    Chooser,
-    Fate,
-)
+from rolegate_proxy.core.choice import Choice, Fate
+from rolegate_proxy.core.chooser import Chooser
 from rolegate_proxy.core.exclusions import (
     Exclusion,
 )
@@ -83,6 +80,7 @@ def role(
     visibility: Visibility = Visibility.WATCHED,
     ruling: Ruling = Ruling.ORDER,
     explore: float | None = None,
+    speed: float = 1.5,
 ) -> CompiledRole:
     return CompiledRole(
         name=name,
@@ -95,6 +93,7 @@ def role(
         ruling_reason="test",
         expected_output_tokens=tokens,
         exploration_share=explore,
+        speed_tolerance=speed,
     )
 
 
@@ -365,23 +364,43 @@ def test_an_unknown_machine_with_half_a_belief_is_admitted_last() -> None:
 
 def test_the_machine_that_answered_leads_the_next_order() -> None:
     config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
-    chooser.answered("agent", MachineKey(AGG, CODER, "steady"))
-    choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    chooser.affinity.answered("agent", MachineKey(AGG, CODER, "steady"))
+    # `steady` is expected in 11 s, `fast` in 5.5 s: comparable for a role that lets a
+    # machine lead at up to 2.5 times the fastest one's time.
+    patient = role(speed=2.5)
+    choice = chooser.choose(patient, candidate(config, AGG, CODER), nothing_excluded, 0.0)
     assert choice.pinned == "steady"
     assert choice.admitted == ("steady", "fast")
     steady = choice.fate("steady")
     assert steady is not None
     assert steady.reason == "affinity"
     # Only for that role.
-    other = chooser.choose(role("planner"), candidate(config, AGG, CODER), nothing_excluded, 0.0)
-    assert other.admitted == ("fast", "steady")
+    other = role("planner", speed=2.5)
+    assert chooser.choose(other, candidate(config, AGG, CODER), nothing_excluded, 0.0).admitted == (
+        "fast",
+        "steady",
+    )
+
+
+def test_a_machine_far_slower_than_the_best_of_its_tier_loses_the_pin() -> None:
+    config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
+    chooser.affinity.answered("agent", MachineKey(AGG, CODER, "steady"))
+    # Twice as slow as `fast`, beyond the default 1.5: affinity is a tie-break among
+    # comparable machines, never a reason to stay slow (B3).
+    choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
+    assert choice.pinned is None
+    assert choice.admitted == ("fast", "steady")
+    steady = choice.fate("steady")
+    assert steady is not None
+    assert "far slower than a machine of equal quality" in steady.detail
+    assert chooser.affinity.pinned("agent") is None
 
 
 def test_a_refused_machine_never_keeps_the_pin() -> None:
     # Seed 003: the pin latched onto whichever machine answered; once it is refused it must
     # let go, and it does not come back when the refusal clears.
     config, ledger, chooser = setup(provider(AGG, {CODER: CODERS}))
-    chooser.answered("agent", MachineKey(AGG, CODER, "steady"))
+    chooser.affinity.answered("agent", MachineKey(AGG, CODER, "steady"))
     for at in (1.0, 2.0, 3.0):
         answered(ledger, "steady", at, ttft=1.0, rate=6.0)  # now believed at ~6 tok/s
     plan = chooser.plan(role(), plan_candidates(role(), config), nothing_excluded, 3.0)
@@ -389,7 +408,7 @@ def test_a_refused_machine_never_keeps_the_pin() -> None:
     assert choice.pinned is None
     assert choice.admitted == ("fast",)
     assert plan.unpinned == MachineKey(AGG, CODER, "steady")
-    assert chooser.pinned("agent") is None
+    assert chooser.affinity.pinned("agent") is None
     much_later = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 1e6)
     assert much_later.admitted == ("fast", "steady")
     assert much_later.pinned is None
@@ -397,20 +416,20 @@ def test_a_refused_machine_never_keeps_the_pin() -> None:
 
 def test_a_hard_exclusion_drops_the_pin_too() -> None:
     config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
-    chooser.answered("agent", MachineKey(AGG, CODER, "fast"))
+    chooser.affinity.answered("agent", MachineKey(AGG, CODER, "fast"))
     breaker = breakers()
     breaker.record(Attempted.http_error(AGG, CODER, 429, machine="fast", retry_after=30.0), 0.0)
     choice = chooser.choose(role(), candidate(config, AGG, CODER), breaker.exclusion, 1.0)
     assert choice.pinned is None
-    assert chooser.pinned("agent") is None
+    assert chooser.affinity.pinned("agent") is None
 
 
 def test_a_pin_on_another_model_leaves_this_order_alone() -> None:
     config, _, chooser = setup(provider(AGG, {CODER: CODERS, NEMO: (("deepinfra", 0.3, 150.0),)}))
-    chooser.answered("agent", MachineKey(AGG, NEMO, "deepinfra"))
+    chooser.affinity.answered("agent", MachineKey(AGG, NEMO, "deepinfra"))
     choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
     assert choice.pinned is None
-    assert chooser.pinned("agent") == MachineKey(AGG, NEMO, "deepinfra")
+    assert chooser.affinity.pinned("agent") == MachineKey(AGG, NEMO, "deepinfra")
 
 
 # --- the plan, the frontier, the seam ---------------------------------------------------------
@@ -469,13 +488,13 @@ def test_a_good_score_never_reopens_a_hard_exclusion() -> None:
 
 def test_a_pinned_machine_out_of_the_top_quality_tier_loses_the_pin() -> None:
     config, _, chooser = setup(provider(AGG, {CODER: CODERS}))
-    chooser.answered("agent", MachineKey(AGG, CODER, "steady"))
+    chooser.affinity.answered("agent", MachineKey(AGG, CODER, "steady"))
     _scored(chooser, "steady", ok=40, failed=20)
     _scored(chooser, "fast", ok=60, failed=0)
     choice = chooser.choose(role(), candidate(config, AGG, CODER), nothing_excluded, 0.0)
     assert choice.pinned is None
     assert choice.admitted == ("fast", "steady")
-    assert chooser.pinned("agent") is None
+    assert chooser.affinity.pinned("agent") is None
 
 
 def test_a_poor_semantic_judgment_demotes_inside_the_tier_and_unknown_moves_nothing() -> None:

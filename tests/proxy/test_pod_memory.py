@@ -269,3 +269,18 @@ def test_a_fault_mark_older_than_any_novelty_window_is_not_written() -> None:
              FaultMarks(key, "mangled", (60 * 86_400.0,)))  # fmt: skip
     back = decode(encode(PodMemory("p", NOW, faults=marks)), now=NOW)
     assert back.faults == (FaultMarks(key, "empty_response", (10.0,)),)
+
+
+def test_requests_in_flight_travel_and_a_hostile_count_refuses_the_memory() -> None:
+    key = MachineKey(AGG, MODEL, "deepinfra")
+    back = decode(encode(PodMemory("p", 1.0, in_flight=((key, 3),))), now=10.0)
+    assert back.in_flight == ((key, 3),)
+    # An older memory has none.
+    assert decode(encode(PodMemory("p", 1.0)), now=10.0).in_flight == ()
+    for count in (0, -1, 10**9, 2.5, True, "3"):
+        row = orjson.dumps(
+            {"format": 1, "pod": "p", "writtenAt": 1.0, "machines": [],
+             "inFlight": [[AGG, MODEL, "deepinfra", count]]}
+        )  # fmt: skip
+        with pytest.raises(MemoryFormatError, match=r"inFlight\[0\]: count"):
+            decode(row, now=10.0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given
@@ -338,3 +338,49 @@ def test_expected_cost() -> None:
     assert expected_cost(3.0, None, 1000, 200) is None
     with pytest.raises(ValueError, match="token counts must be >= 0"):
         expected_cost(3.0, 15.0, -1, 200)
+
+
+# --- speed (SPEC B3, B8) --------------------------------------------------------------------
+
+
+def draws(*values: float) -> Callable[[], float]:
+    """The given draws, in order (one per entry)."""
+    it = iter(values)
+    return lambda: next(it)
+
+
+def test_a_far_slower_machine_never_leads_on_a_lucky_draw() -> None:
+    # `slow` is a little better on score; the dither put `quick` a tier below it.
+    entries = [entry("slow", 1.0, seconds=10.0), entry("quick", 0.9375, seconds=0.1)]
+    undrawn = rank(entries, TOLERANCE, draws(0.0, 0.9))
+    assert [p.tier for p in undrawn] == [0, 1]
+    placed = rank(entries, TOLERANCE, draws(0.0, 0.9), speed_tolerance=1.5)
+    assert order(placed) == ["quick", "slow"]
+    slow = placed[1]
+    assert slow.slow
+    assert slow.placed_tier == 1
+    assert "far slower than a machine of equal quality" in slow.reason
+
+
+def test_speed_comes_before_cost_only_past_the_speed_tolerance() -> None:
+    cheap = entry("cheap", 1.0, cost=0.001, seconds=3.0)
+    dear = entry("dear", 1.0, cost=0.002, seconds=1.0)
+    assert order(rank([cheap, dear], TOLERANCE, never, speed_tolerance=1.5)) == ["dear", "cheap"]
+    # Within 4x the cheaper one is comparable, and cost decides.
+    assert order(rank([cheap, dear], TOLERANCE, never, speed_tolerance=4.0)) == ["cheap", "dear"]
+    # Without a speed tolerance (the pure ranking's default) cost decides as before.
+    assert order(rank([cheap, dear], TOLERANCE, never)) == ["cheap", "dear"]
+
+
+def test_a_faster_machine_of_lower_quality_does_not_overtake() -> None:
+    # Behind by twice the tolerance: not equal quality, so its speed does not count.
+    entries = [entry("good", 1.0, seconds=10.0), entry("poor", 0.75, seconds=0.1)]
+    assert order(rank(entries, TOLERANCE, never, speed_tolerance=1.5)) == ["good", "poor"]
+
+
+def test_a_few_milliseconds_are_not_slow_whatever_the_ratio() -> None:
+    entries = [
+        entry("a", 1.0, cost=0.001, seconds=0.02),
+        entry("b", 1.0, cost=0.002, seconds=0.005),
+    ]
+    assert order(rank(entries, TOLERANCE, never, speed_tolerance=1.5)) == ["a", "b"]

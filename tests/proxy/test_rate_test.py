@@ -22,7 +22,7 @@ from rolegate_policy.enums import (
 )
 from rolegate_proxy.core.arm_end import ArmEnd, Cause, sighting
 from rolegate_proxy.core.beliefs import GapStats, Ledger, MachineKey, Sighting
-from rolegate_proxy.core.chooser import Alternative
+from rolegate_proxy.core.choice import Alternative
 from rolegate_proxy.core.watch import (
     Act,
     ActReason,

@@ -19,7 +19,8 @@ from rolegate_proxy.core.beliefs import (
     Sighting,
 )
 from rolegate_proxy.core.breaker import Attempted, Breakers
-from rolegate_proxy.core.chooser import Choice, Chooser, Fate
+from rolegate_proxy.core.choice import Choice, Fate
+from rolegate_proxy.core.chooser import Chooser
 from rolegate_proxy.core.score import ObservationKind, Scoreboard
 from rolegate_proxy.core.verdicts import OK
 
@@ -182,7 +183,7 @@ def test_kept_rankings_decide_as_fresh_ones_through_any_history(seed: int) -> No
         else:
             pinned = rng.choice(roles).name
             for chooser in (kept, fresh):
-                chooser.answered(pinned, MachineKey(AGG, CODER, machine))
+                chooser.affinity.answered(pinned, MachineKey(AGG, CODER, machine))
         # Time only moves on: the decisions come a coalescing window after the event.
         decided = now + LATER
         now = decided + rng.choice([0.0, 0.01, LATER, 0.5, 3.0])
@@ -194,7 +195,7 @@ def test_kept_rankings_decide_as_fresh_ones_through_any_history(seed: int) -> No
                 agent, pool, breakers.exclusion, decided, prompt_tokens=1536 if prompt else 0
             )
             same(a, b)
-            assert kept.pinned(agent.name) == fresh.pinned(agent.name)
+            assert kept.affinity.pinned(agent.name) == fresh.affinity.pinned(agent.name)
 
 
 def test_a_machine_first_heard_of_is_a_candidate_at_once() -> None:

@@ -21,6 +21,7 @@ from rolegate_policy.status import TripReason
 from .beliefs import Ledger, MachineEvidence, MachineKey
 from .breaker import Breakers, FaultMarks, PeerTrip, RateCount
 from .exclusions import BreakerKey
+from .load import FLEET_LOAD_SECONDS, Load
 from .score import Scoreboard, ScoreEvidence
 
 # A memory older than this is not taken back at start: what it knew is stale anyway (the
@@ -44,6 +45,8 @@ class PodMemory:
     trips: tuple[tuple[BreakerKey, TripReason], ...] = ()
     # Its breakers' rate windows: the fleet's rate arms count them.
     rates: tuple[RateCount, ...] = ()
+    # Its requests in flight per machine: the fleet's queues (SPEC B8).
+    in_flight: tuple[tuple[MachineKey, int], ...] = ()
 
 
 def remember(
@@ -54,13 +57,22 @@ def remember(
     wall_now: float,
     *,
     breakers: Breakers | None = None,
+    load: Load | None = None,
 ) -> PodMemory:
     """The pod's own memory now (`now` on the ledger's clock, `wall_now` the epoch's)."""
     faults = () if breakers is None else tuple(breakers.fault_marks(now))
     trips = () if breakers is None else tuple(breakers.own_trips(now))
     rates = () if breakers is None else tuple(breakers.rate_counts())
+    in_flight = () if load is None else tuple(load.snapshot(now).items())
     return PodMemory(
-        pod, wall_now, tuple(ledger.evidence(now)), tuple(scores.records()), faults, trips, rates
+        pod=pod,
+        written_at=wall_now,
+        machines=tuple(ledger.evidence(now)),
+        scores=tuple(scores.records()),
+        faults=faults,
+        trips=trips,
+        rates=rates,
+        in_flight=in_flight,
     )
 
 
@@ -97,6 +109,7 @@ def hear_fleet(
     *,
     breakers: Breakers | None = None,
     trip_expiry: float = 0.0,
+    load: Load | None = None,
 ) -> None:
     """Take every peer's memory into this pod's priors, each weighted by its age (halved
     every ledger half-life: an hour-old report counts a quarter), this pod's own skipped
@@ -105,7 +118,8 @@ def hear_fleet(
     With `breakers`, a breaker a peer holds open keeps its key out here too, for as long
     as that peer's memory is younger than `trip_expiry` seconds (a pod that stops writing
     stops excluding); the peer's next memory without it lifts it. The fresh memories' rate
-    windows count in this pod's rate arms."""
+    windows count in this pod's rate arms. With `load`, the requests peers had in flight
+    count in this pod's queues while their memories are younger than FLEET_LOAD_SECONDS."""
     half_life = ledger.settings.half_life_seconds
     peers = [
         (memory, 0.5 ** (max(0.0, wall_now - memory.written_at) / half_life))
@@ -129,3 +143,10 @@ def hear_fleet(
             for key, reason in memory.trips
         )
         breakers.hear_rates(count for memory, _ in fresh for count in memory.rates)
+    if load is not None:
+        load.hear(
+            (key, count, now + FLEET_LOAD_SECONDS - age)
+            for memory, _ in peers
+            if (age := max(0.0, wall_now - memory.written_at)) < FLEET_LOAD_SECONDS
+            for key, count in memory.in_flight
+        )

@@ -16,6 +16,12 @@ good, can override one.
   tolerance below the best semantic score in that tier goes after the others. The semantic
   score can only lower preference, and only inside a tier; an unknown (None) semantic score
   is never demoted and never promotes: unknown is not a value.
+* **Speed (B3, B8).** An entry whose expected time to a usable answer is more than the
+  role's speed tolerance (default 1.5x, and at least SPEED_MARGIN_SECONDS) behind the
+  fastest entry of equal quality (a score no more than the quality tolerance below its
+  own, whatever tier the dither drew for it) is *slow*: it goes after the others of the
+  fastest one's tier, before cost is compared. So a machine a hundred times slower never
+  leads on a score a few answers higher, nor on a lucky draw, nor on cost.
 * **Then** the cheaper expected cost (an unpriced machine never wins a cost tie), then the
   shorter expected time to a usable answer (unknown last), then the key, so the order is
   deterministic given the draws.
@@ -28,9 +34,10 @@ from __future__ import annotations
 
 import math
 import sys
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Final, Generic, Protocol, TypeVar
 
 from .beliefs import MachineKey
 
@@ -57,6 +64,10 @@ class Rankable(Protocol):
 
 R = TypeVar("R", bound=Rankable)
 
+# How much slower than the fastest machine of equal quality a machine must also be, in
+# seconds, to count as slow: below it a faster machine is not worth a higher price.
+SPEED_MARGIN_SECONDS: Final = 0.05
+
 
 @dataclass(slots=True)
 class Entry:
@@ -76,12 +87,22 @@ class Entry:
 @dataclass(slots=True)
 class Placed(Generic[R]):
     """An entry and where it was placed: its quality `tier` (0 is the top), how far
-    `behind` the best score it is, and whether its semantic score demoted it in its tier."""
+    `behind` the best score it is, whether its semantic score demoted it in its tier, and
+    whether it is `slow` (see the module docstring), placed in the tier `placed_tier` of
+    the faster machine it goes after (its own tier otherwise)."""
 
     entry: R
     tier: int
     behind: float
     semantic_demoted: bool
+    slow: bool = False
+    placed_tier: int = -1
+    # No expected time while others have one: it goes with the slow.
+    untimed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.placed_tier < 0:
+            self.placed_tier = self.tier
 
     @property
     def reason(self) -> str:
@@ -92,17 +113,27 @@ class Placed(Generic[R]):
             self.semantic_demoted,
             self.entry.cost,
             self.entry.expected_seconds,
+            slow=self.slow,
         )
 
 
 def describe_place(
-    tier: int, behind: float, demoted: bool, cost: float | None, seconds: float | None
+    tier: int,
+    behind: float,
+    demoted: bool,
+    cost: float | None,
+    seconds: float | None,
+    *,
+    slow: bool = False,
 ) -> str:
-    """Where a machine was placed, for a person: tier, distance, demotion, cost, time."""
+    """Where a machine was placed, for a person: tier, distance, demotion, speed, cost,
+    time."""
     standing = "the best" if behind == 0 else f"{behind:.3f} behind the best"
     parts = [f"quality tier {tier} ({standing})"]
     if demoted:
         parts.append("semantic score demoted it")
+    if slow:
+        parts.append("far slower than a machine of equal quality: it does not lead")
     parts.append("no published price" if cost is None else f"cost ${cost:.6f}")
     if seconds is not None:
         parts.append(f"expected {seconds:.1f} s")
@@ -121,11 +152,17 @@ def _refuse(entry: Rankable) -> None:
     raise ValueError(f"{key}: expected_seconds {entry.expected_seconds} is not >= 0")
 
 
-def rank(entries: Sequence[R], tolerance: float, draw: Callable[[], float]) -> list[Placed[R]]:
+def rank(
+    entries: Sequence[R],
+    tolerance: float,
+    draw: Callable[[], float],
+    speed_tolerance: float = math.inf,
+) -> list[Placed[R]]:
     """Every entry, best first (see the module docstring). `tolerance` is the role's
     quality tolerance on the score scale; `draw` returns a uniform value in [0, 1) and is
     called once per entry in input order, whatever the tolerance (so a seeded stream stays
-    aligned); `lambda: 0.0` gives the undithered ranking.
+    aligned); `lambda: 0.0` gives the undithered ranking. `speed_tolerance` is the role's
+    (inf: speed never overrides cost).
 
     Runs for every request over every admitted machine: one pass computes the tiers."""
     if not 0.0 <= tolerance < math.inf:
@@ -177,8 +214,54 @@ def rank(entries: Sequence[R], tolerance: float, draw: Callable[[], float]) -> l
         )
         for entry, tier in zip(entries, tiers, strict=True)
     ]
-    placed.sort(key=_order)
+    reorder(placed, tolerance, speed_tolerance)
     return placed
+
+
+def reorder(placed: list[Placed[R]], tolerance: float, speed_tolerance: float) -> None:
+    """Sort placed entries best first, their tiers as drawn, after judging which are slow
+    from their expected times as they stand now: the chooser calls it again, with the same
+    tiers, when requests in flight lengthen some machines' expected times (SPEC B8)."""
+    if speed_tolerance < math.inf:
+        _mark_slow(placed, tolerance, speed_tolerance)
+    placed.sort(key=_order)
+
+
+def _mark_slow(placed: Sequence[Placed[R]], tolerance: float, speed_tolerance: float) -> None:
+    """Mark the slow entries (see the module docstring). Walking the entries by score, best
+    first, the fastest so far is the fastest of every score at least as good; the equal
+    quality of an entry reaches `tolerance` below its own score, which bisection finds."""
+    timed = sorted(
+        (p for p in placed if p.entry.expected_seconds is not None),
+        key=lambda p: -p.entry.score,
+    )
+    if not timed:
+        return
+    for p in placed:
+        # Unknown time goes with the slow (an untimed machine is ranked last: SPEC B2),
+        # without being called slow: it has shown nothing.
+        p.untimed = p.entry.expected_seconds is None
+    descending = [-p.entry.score for p in timed]
+    fastest_so_far: list[Placed[R]] = []
+    fastest: Placed[R] | None = None
+    for p in timed:
+        p.slow, p.placed_tier = False, p.tier
+        if fastest is None or _seconds(p) < _seconds(fastest):
+            fastest = p
+        fastest_so_far.append(fastest)
+    for p in timed:
+        reach = bisect_right(descending, -p.entry.score + tolerance) - 1
+        quick = fastest_so_far[reach]
+        seconds, best = _seconds(p), _seconds(quick)
+        if seconds > speed_tolerance * best and seconds - best > SPEED_MARGIN_SECONDS:
+            p.slow = True
+            p.placed_tier = max(p.tier, quick.tier)
+
+
+def _seconds(p: Placed[R]) -> float:
+    seconds = p.entry.expected_seconds
+    assert seconds is not None  # only timed entries are compared
+    return seconds
 
 
 def _checked(u: float) -> float:
@@ -187,14 +270,15 @@ def _checked(u: float) -> float:
     return u
 
 
-_SortKey = tuple[int, bool, bool, float, bool, float, MachineKey]
+_SortKey = tuple[int, bool, bool, bool, float, bool, float, MachineKey]
 
 
 def _order(p: Placed[R]) -> _SortKey:
     cost, seconds = p.entry.cost, p.entry.expected_seconds
     return (
-        p.tier,
+        p.placed_tier,
         p.semantic_demoted,
+        p.slow or p.untimed,
         cost is None,
         0.0 if cost is None else cost,
         seconds is None,

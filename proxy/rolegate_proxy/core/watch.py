@@ -73,7 +73,7 @@ from rolegate_policy.config import (
 )
 
 from .beliefs import MIN_SECONDS, GapStats, MachineBelief, MachineKey
-from .chooser import Alternative
+from .choice import Alternative
 from .fastest import undominated
 
 

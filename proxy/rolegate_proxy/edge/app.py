@@ -122,8 +122,9 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         cookie_jar=aiohttp.DummyCookieJar(),
     )
     state.dispatcher.upstreams = Upstreams(
-        pooled, fresh, state.keys, bounds=state.settings.answer_bounds
-    )
+        pooled, fresh, state.keys, bounds=state.settings.answer_bounds,
+        load=state.dispatcher.load,
+    )  # fmt: skip
     yield
     state.dispatcher.upstreams = None
     await pooled.close()

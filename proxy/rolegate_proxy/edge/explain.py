@@ -22,7 +22,7 @@ from rolegate_policy.config import (
 )
 
 from ..core.beliefs import MachineKey
-from ..core.score import Scoreboard, ScoreView
+from ..core.score import Scoreboard, ScoreView, field_target
 from ..wire.errors import ProxyError
 from .feedback import parse_judgment
 from .state import STATE, ProxyState
@@ -103,15 +103,28 @@ def _scores(config: ProxyConfig, board: Scoreboard) -> list[dict[str, Any]]:
     for provider in config.providers:
         for model in provider.models:
             keys.update(MachineKey(provider.name, model.name, m.name) for m in model.machines)
+    # Routing compares a model's machines shrunk towards their field's target, not towards
+    # the scale's midpoint (SPEC G3): the state shows that score too, so that an untried
+    # machine does not look worse than a slow one with a few answers.
+    fields: dict[tuple[str, str], list[ScoreView]] = {}
+    for key in keys:
+        fields.setdefault((key.provider, key.model), []).append(board.operational(key))
+    targets = {model: field_target(views) for model, views in fields.items()}
     found = []
     for key in sorted(keys):
         row = rows.get(key)
+        operational = board.operational(key)
+        target = targets[(key.provider, key.model)]
         found.append(
             {
                 "provider": key.provider,
                 "model": key.model,
                 "machine": key.machine,
-                "operational": _view(board.operational(key)),
+                "operational": _view(operational),
+                "operational_in_field": {
+                    "score": operational.toward(target),
+                    "field_target": target,
+                },
                 "semantic": _view(board.semantic(key)),
                 "semantic_scale": (
                     [row.semantic_scale.low, row.semantic_scale.high]

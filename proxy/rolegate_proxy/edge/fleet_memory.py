@@ -257,6 +257,7 @@ class FleetMemory:
             dispatcher.now(),
             time.time(),
             breakers=dispatcher.breakers,
+            load=dispatcher.load,
         )
         body = await asyncio.to_thread(memory_object, memory, self.namespace)
         access = await asyncio.to_thread(load_access, self.kubeconfig)
@@ -370,6 +371,7 @@ class FleetMemory:
             wall_now,
             breakers=dispatcher.breakers,
             trip_expiry=self.trip_expiry,
+            load=dispatcher.load,
         )
         dispatcher.metrics.memory_peers.set(sum(1 for pod in newest if pod != self.pod))
         return len(newest)

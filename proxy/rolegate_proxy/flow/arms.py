@@ -17,8 +17,9 @@ import aiohttp
 from aiohttp import web
 
 from ..core.arm_end import Answered, ArmEnd, Cause
-from ..core.beliefs import NO_GAPS
+from ..core.beliefs import NO_GAPS, MachineKey
 from ..core.exclusions import parse_retry_after
+from ..core.load import Load, Ticket
 from ..core.outcomes import ArmAct
 from ..core.routing import Attempt
 from ..core.tool_calls import ToolCall
@@ -59,10 +60,44 @@ class ArmRun:
     watch: Watch | None = None
     # Its span's id in a traced request, drawn at each sending (0: not traced).
     span_id: int = 0
+    # Its place in its machine's count of requests in flight, from sending to its end.
+    ticket: Ticket | None = None
 
     @property
     def machine(self) -> str | None:
         return self.named or self.attempt.presumed_machine
+
+    def count_on(self, load: Load) -> ArmRun:
+        """The arm counts as in flight on its machine from now (SPEC B8): taken when the
+        arm is made, before anything awaits, so requests decided at the same moment see
+        each other's choices."""
+        machine = self.machine
+        if machine is not None:
+            self.ticket = load.take(self.key_of(machine), self.started)
+        return self
+
+    def name(self, machine: str) -> None:
+        """The answer named the machine serving it: the arm counts there from now."""
+        self.named = machine
+        ticket = self.ticket
+        if ticket is not None and ticket.key.machine != machine:
+            ticket.owner.move(ticket, self.key_of(machine))
+
+    def key_of(self, machine: str) -> MachineKey:
+        attempt = self.attempt
+        return MachineKey(attempt.provider.name, attempt.model.name, machine)
+
+    def _give_back(self) -> None:
+        """The arm ended: it no longer counts on its machine; its first token, when it
+        streamed one, says how the machine's queue treated it (core/load.py)."""
+        ticket = self.ticket
+        if ticket is None or ticket.returned:
+            return
+        if self.named is not None and ticket.key.machine != self.named:
+            ticket.owner.move(ticket, self.key_of(self.named))
+        watch = self.watch
+        first = None if watch is None else watch.first_at
+        ticket.owner.give_back(ticket, None if first is None else first - self.started)
 
     @property
     def wire(self) -> WireProtocol:
@@ -78,6 +113,7 @@ class ArmRun:
         verdict: Verdict | None = None,
         answer: Answered | None = None,
     ) -> ArmEnd:
+        self._give_back()
         watch = self.watch
         attempt = self.attempt
         # Positional, in the fields' order: passed by keyword, twenty fields cost more to
@@ -110,7 +146,7 @@ class ArmRun:
     def failed(self, failure: ArmFailed, at: float) -> ArmEnd:
         error = failure.error
         if error is not None and error.machine is not None:
-            self.named = self.named or error.machine
+            self.name(self.named or error.machine)
         end = self.end(failure.cause, at, failure.detail)
         if error is not None:
             # What is kept of the upstream's error: its status and a known code, never text.
@@ -131,6 +167,8 @@ async def post(
         run.span_id = tracing.span_id()
         if run.attempt.provider.propagate_trace_context:
             trace_headers = tracing.upstream_headers(ids, run.span_id)
+    if run.ticket is None or run.ticket.returned:
+        run.count_on(upstreams.load)  # sent again (a stale connection's retry)
     response = await send(
         upstreams, run.attempt, chat, run.silence, fresh=fresh, extra_headers=trace_headers
     )

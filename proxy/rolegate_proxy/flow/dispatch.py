@@ -24,6 +24,7 @@ from ..core.breaker import Breakers
 from ..core.chooser import Chooser
 from ..core.decisions import Decision
 from ..core.exclusions import Transition
+from ..core.load import Load
 from ..core.score import Scoreboard
 from ..core.verdicts import VerdictLog
 from ..wire.chat_request import ChatRequest
@@ -45,6 +46,9 @@ class Dispatcher:
     ledger: Ledger = field(default_factory=Ledger)
     # Each machine's operational and semantic quality (SPEC C1-C3), fed by the outcomes.
     scores: Scoreboard = field(default_factory=Scoreboard)
+    # Requests in flight per machine, and each machine's concurrency (SPEC B8): every arm
+    # takes a ticket when sent (flow/arms.py), routing reads the queues.
+    load: Load = field(default_factory=Load)
     # The share of routing decisions that explore (a machine other than the best leads),
     # for a role without an explorationShare of its own.
     explore: float = 0.02
@@ -68,6 +72,7 @@ class Dispatcher:
             draw=self.rng.random,
             explore=self.explore,
             exclusions_epoch=lambda: breakers.epoch,
+            load=self.load,
         )
         self.recorder = Recorder(
             self.breakers, self.ledger, self.chooser, self.verdicts, self.metrics

@@ -341,6 +341,7 @@ class Exchange:
     async def _complete(self, attempt: Attempt, budget: float) -> web.StreamResponse | None:
         silence = Silence.for_arm(attempt, budget, stream=False)
         run = ArmRun(attempt, self.services.now(), False, silence)
+        run.count_on(self.services.upstreams.load)
         upstreams = self.services.upstreams
         try:
             reply = await self.send_fresh_once(

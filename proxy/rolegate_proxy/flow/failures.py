@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 
 from ..core.arm_end import ArmEnd, RequestFault
-from ..core.chooser import Fate, Plan
+from ..core.choice import Fate, Plan
 from ..core.decisions import Decision
 from ..core.outcomes import OutcomeKind
 from ..core.routing import Candidate

@@ -81,7 +81,7 @@ class Recorder:
         decision.arm(arm_row(end, patience, decision.started_at))
         if end.cause is Cause.ANSWERED and key is not None:
             # Affinity (SPEC B3): the machine that answered leads the role's next order.
-            self.chooser.answered(decision.role, key)
+            self.chooser.affinity.answered(decision.role, key)
 
     def served(
         self,

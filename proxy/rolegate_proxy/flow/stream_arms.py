@@ -13,7 +13,7 @@ from rolegate_policy.status import ProtocolQuirk
 
 from ..core.arm_end import ArmEnd
 from ..core.beliefs import MachineKey
-from ..core.chooser import Alternative, Plan
+from ..core.choice import Alternative, Plan
 from ..core.decisions import Decision
 from ..core.outcomes import ArmAct
 from ..core.routing import Attempt
@@ -100,6 +100,7 @@ class StreamArms:
         request's frontier; `delivered`: content deltas earlier arms delivered."""
         now = self.now()
         run = ArmRun(attempt, now, True, Silence.for_arm(attempt, budget, stream=True), act)
+        run.count_on(self.services.upstreams.load)
         key = self.key(run)
         run.watch = Watch(
             self.host.chat.role,
@@ -131,7 +132,7 @@ class StreamArms:
         provider = run.attempt.provider.name
 
         def named(machine: str) -> None:
-            run.named = machine
+            run.name(machine)
             key = self.key(run)
             if run.watch is not None and key is not None and key != run.watch.serving:
                 run.watch.identify(key, recorder.ledger.belief_of(key, self.now()))

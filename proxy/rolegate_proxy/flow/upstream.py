@@ -30,6 +30,7 @@ from rolegate_policy.enums import Dialect
 
 from ..core.arm_end import Cause
 from ..core.exclusions import is_redirect
+from ..core.load import Load
 from ..core.routing import Attempt
 from ..wire.answers import UpstreamError
 from ..wire.chat_request import ChatRequest
@@ -112,6 +113,8 @@ class Upstreams:
     deadlines: Deadlines = field(default_factory=Deadlines)
     # How much of an answer is read (SPEC E8).
     bounds: AnswerBounds = field(default_factory=AnswerBounds)
+    # Every arm in flight, per machine (SPEC B8): the routing's queues.
+    load: Load = field(default_factory=Load)
     # The request headers last built per (dialect, key reference, streamed), with the key
     # they were built with: every arm to a provider sends the same ones until its key
     # changes (read-only: aiohttp copies them into each request).

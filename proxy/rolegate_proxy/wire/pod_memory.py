@@ -18,7 +18,9 @@ file written in a millisecond. Each fault row is `[provider, model, machine, sig
 ages]`: a breaker key (model and machine null for a wider key), a fault signature, and
 when it was seen, in seconds before `writtenAt` (the novelty baseline). Each trip row is
 `[provider, model, machine, reason]`: a breaker the pod holds open now. Each rate row is
-`[provider, model, machine, family, outcomes, faults]`: a breaker key's rate window.
+`[provider, model, machine, family, outcomes, faults]`: a breaker key's rate window. Each
+in-flight row is `[provider, model, machine, count]`: the pod's requests on that machine
+as it wrote (what the fleet's routing counts in its queues; absent in older memories).
 
 A memory that does not parse, names a newer format, or breaks a bound is refused whole
 (`MemoryFormatError`): a pod starts cold rather than from a half-read memory. The bounds
@@ -65,6 +67,8 @@ MAX_NAME_CHARS: Final = 253
 # Fault rows a memory may hold, and marks a row may hold.
 MAX_FAULTS: Final = 4096
 MAX_MARKS: Final = 64
+# No pod has more requests in flight on one machine (a bound on what a peer may claim).
+MAX_IN_FLIGHT: Final = 100_000
 # No rate window is longer (BreakerSpec.rate_window's bound).
 MAX_WINDOW: Final = MAX_RATE_WINDOW
 
@@ -97,6 +101,9 @@ def encode(memory: PodMemory) -> bytes:
             "rates": [
                 [*rate.key, rate.family.value, rate.count, rate.faults]
                 for rate in memory.rates[:MAX_FAULTS]
+            ],
+            "inFlight": [
+                [*key, min(count, MAX_IN_FLIGHT)] for key, count in memory.in_flight[:MAX_MACHINES]
             ],
         }
     )
@@ -171,15 +178,31 @@ def decode(data: bytes, now: float | None = None) -> PodMemory:
     rates = document.get("rates", [])
     if not isinstance(rates, list) or len(rates) > MAX_FAULTS:
         raise MemoryFormatError(f"rates is not a list of at most {MAX_FAULTS}")
+    in_flight = document.get("inFlight", [])
+    if not isinstance(in_flight, list) or len(in_flight) > MAX_MACHINES:
+        raise MemoryFormatError(f"inFlight is not a list of at most {MAX_MACHINES}")
     return PodMemory(
-        _name(document.get("pod"), "pod"),
-        float(written_at),
-        tuple(evidence),
-        tuple(scores),
-        tuple(_fault(item, f"faults[{index}]") for index, item in enumerate(faults)),
-        tuple(_trip(item, f"trips[{index}]") for index, item in enumerate(trips)),
-        tuple(_rate(item, f"rates[{index}]") for index, item in enumerate(rates)),
+        pod=_name(document.get("pod"), "pod"),
+        written_at=float(written_at),
+        machines=tuple(evidence),
+        scores=tuple(scores),
+        faults=tuple(_fault(item, f"faults[{index}]") for index, item in enumerate(faults)),
+        trips=tuple(_trip(item, f"trips[{index}]") for index, item in enumerate(trips)),
+        rates=tuple(_rate(item, f"rates[{index}]") for index, item in enumerate(rates)),
+        in_flight=tuple(
+            _in_flight(item, f"inFlight[{index}]") for index, item in enumerate(in_flight)
+        ),
     )
+
+
+def _in_flight(item: Any, where: str) -> tuple[MachineKey, int]:
+    if not isinstance(item, list) or len(item) != 4:
+        raise MemoryFormatError(f"{where} is not a list of 4")
+    provider, model, machine, count = item
+    key = MachineKey(_name(provider, where), _name(model, where), _name(machine, where))
+    if not (isinstance(count, int) and not isinstance(count, bool) and 0 < count <= MAX_IN_FLIGHT):
+        raise MemoryFormatError(f"{where}: count is not a count of 1 to {MAX_IN_FLIGHT}")
+    return key, count
 
 
 def _rate(item: Any, where: str) -> RateCount:
