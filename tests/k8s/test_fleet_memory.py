@@ -453,3 +453,43 @@ async def test_a_model_35_percent_empty_through_three_pods_trips_within_the_flee
                 await asyncio.sleep(0.05)
         print(f"fleet-wide trip after {answered} answers across three pods")
         assert answered <= 30 + 20
+
+
+# Two equal machines whose answers take seconds: a request in flight on one is a queue.
+EVEN = [
+    {"name": "m1", "ttftSeconds": 0.05, "tokensPerSecond": 4},
+    {"name": "m2", "ttftSeconds": 0.05, "tokensPerSecond": 4},
+]
+
+
+async def fleet_in_flight(url: str, machine: str) -> int | None:
+    """What the pod heard its peers have in flight on `machine`, once it heard any."""
+    async with httpx.AsyncClient() as client:
+        load = (await client.get(f"{url}/v1/rolegate/state")).json()["load"]
+    heard = sum(row["fleet_in_flight"] for row in load if row["machine"] == machine)
+    return heard or None
+
+
+@pytest.mark.timeout(120)
+async def test_requests_in_flight_on_one_pod_count_on_the_others(
+    crds: ControlPlane, namespace: str, sim_server: SimFactory, tmp_path: Path
+) -> None:
+    """SPEC B8: a machine's queue is the fleet's. A's long answer on m1 is published with
+    A's memory; B, which has sent nothing, sends its first request to the idle m2."""
+    scenario = {"seed": 2, "models": [{"name": MODEL, "reply": " ".join(["word"] * 40),
+                                       "machines": EVEN}]}  # fmt: skip
+    async with running_fleet(
+        crds, namespace, sim_server, tmp_path, pods=PODS[:2], scenario=scenario,
+        policy=lambda url: machine_policy(url, MODEL, EVEN),
+    ) as fleet:  # fmt: skip
+        a, b = fleet.proxies["proxy-a"], fleet.proxies["proxy-b"]
+        long_answer = asyncio.create_task(_first_asked(a))
+        try:
+            heard = await eventually(
+                partial(fleet_in_flight, b, "m1"), what="proxy-b hearing proxy-a's m1 queue"
+            )
+            assert heard == 1
+            # Equal on paper and in belief; m1 busy across the fleet: B goes to m2.
+            assert await _first_asked(b) == "m2"
+        finally:
+            assert await long_answer == "m1"

@@ -66,6 +66,17 @@ class Ticket:
     returned: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class LoadRow:
+    """One machine's load as the state endpoint shows it."""
+
+    key: MachineKey
+    in_flight: int
+    fleet_in_flight: int
+    # Learned from its first tokens under load (None: nothing learned yet, taken as 1).
+    learned_concurrency: int | None
+
+
 @dataclass(slots=True)
 class _Learned:
     concurrency: int = 1
@@ -165,6 +176,25 @@ class Load:
         concurrency = self.concurrency(key, published)
         ahead = in_flight + 1 - concurrency
         return 0.0 if ahead <= 0 else ahead / concurrency * service_seconds
+
+    def rows(self, now: float) -> list[LoadRow]:
+        """Every machine with requests in flight here or in the fleet, or a learned
+        concurrency, in key order (for the state endpoint)."""
+        keys = set(self._tickets) | set(self._learned)
+        keys.update(key for key, heard in self._fleet.items() if now < heard.until)
+        rows = []
+        for key in sorted(keys):
+            learned = self._learned.get(key)
+            fleet = self._fleet.get(key)
+            rows.append(
+                LoadRow(
+                    key=key,
+                    in_flight=self.own(key, now),
+                    fleet_in_flight=fleet.in_flight if fleet and now < fleet.until else 0,
+                    learned_concurrency=None if learned is None else learned.concurrency,
+                )
+            )
+        return rows
 
     def snapshot(self, now: float) -> dict[MachineKey, int]:
         """This pod's in-flight counts, to publish to the fleet."""

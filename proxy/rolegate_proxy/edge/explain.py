@@ -199,6 +199,18 @@ async def state(request: web.Request) -> web.Response:
         for trip in dispatcher.breakers.peer_trips(now)
     ]
     scores = _scores(proxy.config, dispatcher.scores)
+    # Requests in flight and concurrency per machine: what routing counts as its queue.
+    load = [
+        {
+            "provider": row.key.provider,
+            "model": row.key.model,
+            "machine": row.key.machine,
+            "in_flight": row.in_flight,
+            "fleet_in_flight": row.fleet_in_flight,
+            "learned_concurrency": row.learned_concurrency,
+        }
+        for row in dispatcher.load.rows(now)
+    ]
     channel = proxy.outcomes
     return web.json_response(
         {
@@ -207,6 +219,7 @@ async def state(request: web.Request) -> web.Response:
             "beliefs": beliefs,
             "breakers": breakers,
             "fleet_trips": fleet_trips,
+            "load": load,
             "outcomes": {
                 "emitted": channel.emitted,
                 "dropped": channel.dropped,
