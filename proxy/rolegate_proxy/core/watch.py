@@ -172,8 +172,9 @@ class WatchSettings:
         The margin is what the bound buys beyond the worst case: the drift stays negative
         while E[y] < -log r_S + (d - v_k) / 2, i.e. for a stream up to rho^(3/4) (1.68x at
         rho = 2) slower than its believed mean gap, about 2.6 sd of the stream-to-stream
-        spread of rates seen in seed 003. (log(rho) would have left sqrt(rho), 1.41x: 23 of
-        1,000 healthy jittered streams on the issue's belief were moved, against 2 here.)"""
+        spread of rates seen in seed 003. (log(rho) would have left sqrt(rho), 1.41x: with
+        that spread, 23 of 1,000 jittered streams on the issue's belief were moved, against
+        2 here, both beyond the margin; unbounded, all 1,000.)"""
         return math.log(self.tolerance) / 2.0
 
 
