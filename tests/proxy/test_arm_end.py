@@ -8,8 +8,6 @@ import pytest
 
 from rolegate_proxy.core.arm_end import (
     CLIENT_HOLD_TOLERANCE,
-    REFERENCE_GAP,
-    REFERENCE_TTFT,
     UPSTREAM_FAULTS,
     Answered,
     ArmEnd,
@@ -18,7 +16,15 @@ from rolegate_proxy.core.arm_end import (
     breaker_input,
     sighting,
 )
-from rolegate_proxy.core.beliefs import NO_GAPS, GapStats, Ledger, MachineKey, Sighting
+from rolegate_proxy.core.beliefs import (
+    NO_GAPS,
+    REFERENCE_SHAPE,
+    Completed,
+    GapStats,
+    Ledger,
+    MachineKey,
+    Sighting,
+)
 from rolegate_proxy.core.breaker import TransportFault
 from rolegate_proxy.core.outcomes import ArmAct, ArmResult
 from rolegate_proxy.core.routing import Attempt, MachineRouting
@@ -123,38 +129,51 @@ def test_a_stale_connection_erases_nothing_even_after_content() -> None:
     assert sighting(end(Cause.STALE_CONNECTION, first_at=10.5), None) is None
 
 
-def test_a_non_streamed_answer_teaches_its_total_time_split_as_believed() -> None:
+def test_a_non_streamed_answer_teaches_its_total_time_and_never_gaps() -> None:
     ledger = Ledger()
     # Believed: a 1 s first token, then 10 tokens a second.
     ledger.note(Sighting(*KEY, 0.0, ttft=1.0, gaps=GapStats.of([0.1] * 50)))
     belief = ledger.belief_of(KEY, 0.0)
     assert belief is not None
-    assert belief.expected_ttft is not None
-    assert belief.expected_gap is not None
+    assert belief.gap is not None
     # 30 tokens in 12 s: three times what is believed (1 + 30 x 0.1 = 4 s).
     answered = end(Cause.ANSWERED, streamed=False, ended_at=22.0,
                    answer=Answered("stop", 5, 30))  # fmt: skip
     taught = sighting(answered, belief)
     assert taught is not None
-    expected = belief.expected_ttft + 30 * belief.expected_gap
-    scale = 12.0 / expected
-    assert taught.ttft == pytest.approx(belief.expected_ttft * scale)
-    assert taught.gaps.median_rate == pytest.approx(1 / (belief.expected_gap * scale))
-    before = belief.expected_seconds(30)
+    assert taught.completed == Completed(12.0, 30)
+    assert taught.gaps is NO_GAPS  # no per-token gap is made up (SPEC B7)
+    assert taught.ttft is None  # 12 s bounds the first token from above only
+    before = ledger.belief_of(KEY, taught.at)
+    assert before is not None
     after = ledger.note(taught)
     assert after is not None
-    assert after.expected_seconds(30) > before  # type: ignore[operator]
+    assert after.gap == before.gap  # the gap belief is untouched...
+    assert after.ttft == before.ttft
+    assert after.expected_seconds(30) > before.expected_seconds(30)  # type: ignore[operator]
+
+
+def test_a_one_token_non_streamed_answer_is_a_time_to_first_token() -> None:
+    answered = end(Cause.ANSWERED, streamed=False, answer=Answered("length", 5, 1))
+    taught = sighting(answered, None)
+    assert taught is not None
+    assert (taught.ttft, taught.completed, taught.gaps) == (2.0, None, NO_GAPS)
 
 
 def test_an_unknown_machines_first_non_streamed_answer_gives_it_a_belief() -> None:
     answered = end(Cause.ANSWERED, streamed=False, answer=Answered("stop", 5, 40))
     taught = sighting(answered, None)
     assert taught is not None
-    scale = 2.0 / (REFERENCE_TTFT + 40 * REFERENCE_GAP)
-    assert taught.ttft == pytest.approx(REFERENCE_TTFT * scale)
     ledger = Ledger()
     assert ledger.belief_of(KEY, 12.0) is None
-    assert ledger.note(taught) is not None
+    belief = ledger.note(taught)
+    assert belief is not None
+    # Its pace against the reference shape, and stand-in priors from it: refusable (B2).
+    pace = 2.0 / REFERENCE_SHAPE.seconds(40)
+    assert belief.expected_pace == pytest.approx(pace, rel=0.3)
+    assert belief.expected_seconds(40) == pytest.approx(2.0, rel=0.3)
+    assert belief.gap is not None
+    assert belief.gap.weight == 0.0  # a prior, not data
 
 
 def test_results_on_the_record() -> None:

@@ -245,8 +245,9 @@ def test_false_move_rate_over_1000_healthy_streams_with_realistic_jitter() -> No
 
 def test_a_wide_belief_with_noisy_gaps_is_moved_at_most_alpha_of_the_time() -> None:
     # Very noisy gaps (sd 0.9 per token, 10% of tokens paused 6x, stream rate sd 0.2) from
-    # a machine whose belief learned that noise from a few earlier streams. Measured: 4 of
-    # 1,000 moved, one of them a stream that really ran at 25 tok/s against 66 believed.
+    # a machine whose belief learned that noise from a few earlier streams. Measured: 0 of
+    # 1,000 moved (4 before the test's variance was bounded by log(rho) / 2: a wider one
+    # sets the hypotheses' medians below the healthy gaps, so noise read as "behind").
     book = ledger(*SEED)
     rng = random.Random(99)
     for at in range(4):
@@ -263,7 +264,7 @@ def test_a_wide_belief_with_noisy_gaps_is_moved_at_most_alpha_of_the_time() -> N
         act, _, _ = play(w, 1.0, noisy)
         moved += act is not None
     assert moved <= 1000 * WatchSettings().false_move
-    assert moved == 4
+    assert moved == 0
 
 
 def test_a_wide_belief_is_not_decisive_and_a_narrow_one_is_not_ignored() -> None:
@@ -271,12 +272,14 @@ def test_a_wide_belief_is_not_decisive_and_a_narrow_one_is_not_ignored() -> None
     for at in range(5):
         steady = GapStats.of([1 / 60.0] * 300)
         narrow.note(Sighting(AGG, MODEL, "deepinfra", float(at), ttft=1.0, gaps=steady))
-        scattered = GapStats.of(gaps(random.Random(at), 60.0, 300, token_sd=1.2))
+        scattered = GapStats.of(gaps(random.Random(at), 60.0, 300, token_sd=0.9))
         wide.note(Sighting(AGG, MODEL, "deepinfra", float(at), ttft=1.0, gaps=scattered))
     w_narrow = watch(narrow, "deepinfra", ["fireworks", "groq"], now=5.0)
     w_wide = watch(wide, "deepinfra", ["fireworks", "groq"], now=5.0)
     for w in (w_narrow, w_wide):
-        play(w, 1.0, [1 / 24.0] * 3)  # somewhat slow: 24 tok/s against 60 believed
+        # Somewhat slow: 29 tok/s against 60 believed. (The wide belief's variance is held
+        # at the test's bound, log(rho) / 2; at 27 tok/s even that is at the clip.)
+        play(w, 1.0, [1 / 29.0] * 3)
     assert w_narrow.llr > w_wide.llr > 0.0
     assert w_narrow.llr == pytest.approx(3 * WatchSettings().clip)  # each gap at the clip
 

@@ -25,14 +25,13 @@ answer, or an upstream's error message.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final, NamedTuple
 
 from rolegate_policy.signatures import Signature
 
-from .beliefs import NO_GAPS, GapStats, MachineBelief, Sighting
+from .beliefs import NO_GAPS, Completed, GapStats, MachineBelief, Sighting
 from .breaker import Attempted, TransportFault
 from .outcomes import Arm, ArmAct, ArmResult
 from .verdicts import Verdict, VerdictKind
@@ -99,14 +98,6 @@ _TOOL_CALL_FAULTS: Final = frozenset({Signature.TOOL_ARGUMENTS_NOT_JSON, Signatu
 # A client may hold an arm's stream this long in all (a few slow writes) before its gaps
 # are taken for the client's pace rather than the machine's, and not taught.
 CLIENT_HOLD_TOLERANCE: Final = 0.05
-# A non-streamed answer shows only its total time. It is split between a first token and
-# the gaps in proportion to what the machine is believed to do, or, with no belief yet, to
-# this reference shape (a second to the first token, then 50 tokens a second).
-REFERENCE_TTFT: Final = 1.0
-REFERENCE_GAP: Final = 0.02
-# One answer's tokens count for at most this many gap observations (the ledger caps a
-# stream's weight anyway).
-MAX_TAUGHT_TOKENS: Final = 64
 
 
 class Answered(NamedTuple):
@@ -212,8 +203,10 @@ def sighting(end: ArmEnd, belief: MachineBelief | None) -> Sighting | None:
     never reached its upstream. A streamed arm teaches its exact time to first token and
     its gaps; one that never saw a first token teaches its wait as a lower bound when we
     or the client ended it, or it went silent. A non-streamed answer teaches what it shows,
-    its total time for its tokens, split between first token and gaps in the proportions
-    of `belief` (or a reference shape)."""
+    its total time for its tokens (`_completion_sighting`), never per-token gaps.
+
+    (`belief`, the machine's belief before this arm, is read by no rule today: what a whole
+    answer shows is filed against the machine's published shape, which the ledger holds.)"""
     machine = end.machine
     if machine is None or end.cause in (Cause.STALE_CONNECTION, Cause.NO_CREDENTIALS):
         return None
@@ -222,7 +215,7 @@ def sighting(end: ArmEnd, belief: MachineBelief | None) -> Sighting | None:
         taught = Sighting(end.provider, end.model, machine, at, ttft=end.ttft, gaps=end.gaps_taught,
                           cut=end.cause is not Cause.ANSWERED)  # fmt: skip
     elif not end.streamed and end.cause is Cause.ANSWERED and end.answer is not None:
-        taught = _completion_sighting(end, machine, end.answer, belief)
+        taught = _completion_sighting(end, machine, end.answer)
     elif end.cause in _CENSORING:
         taught = Sighting(end.provider, end.model, machine, at, waited=end.seconds,
                           gaps=end.gaps_taught, cut=True)  # fmt: skip
@@ -231,23 +224,22 @@ def sighting(end: ArmEnd, belief: MachineBelief | None) -> Sighting | None:
     return taught if taught.teaches else None
 
 
-def _completion_sighting(
-    end: ArmEnd, machine: str, answer: Answered, belief: MachineBelief | None
-) -> Sighting:
+def _completion_sighting(end: ArmEnd, machine: str, answer: Answered) -> Sighting:
+    """A whole non-streamed answer (SPEC B7). Its one number, the total time, is taught as
+    the answer's pace (core/beliefs.py), never split into a first token and gaps: the
+    split is a guess (a 2 ms cached answer of 90 tokens would be 22 us gaps), and mixed
+    with real streams' gaps it widens their belief until a healthy stream tests as behind.
+
+    It is a time to first token only when the answer had at most one token: the total is
+    then the time to its first and only one. With more, it bounds the first token from
+    above only, and the TTFT belief takes in bounds from below only (an arm given up on):
+    a fast answer's total taken as a TTFT would make the next stream's first token late."""
     tokens = answer.completion_tokens or answer.estimated_tokens
-    if tokens <= 0:
-        return Sighting(end.provider, end.model, machine, end.ended_at, ttft=end.seconds)
-    ttft_share, gap_share = REFERENCE_TTFT, REFERENCE_GAP
-    if belief is not None and belief.expected_ttft is not None and belief.expected_gap:
-        ttft_share, gap_share = belief.expected_ttft, belief.expected_gap
-    scale = end.seconds / (ttft_share + tokens * gap_share)
-    gap = gap_share * scale
-    taught = min(tokens, MAX_TAUGHT_TOKENS)
-    # `taught` gaps of `gap` each, in one step (not one statistics object per token).
-    gaps = NO_GAPS.add(taught, gap * taught) if math.isfinite(gap) else NO_GAPS
-    return Sighting(
-        end.provider, end.model, machine, end.ended_at, ttft=ttft_share * scale, gaps=gaps
-    )
+    at = end.ended_at
+    if tokens <= 1:
+        return Sighting(end.provider, end.model, machine, at, ttft=end.seconds)
+    completed = Completed(end.seconds, tokens)
+    return Sighting(end.provider, end.model, machine, at, completed=completed)
 
 
 def arm_row(end: ArmEnd, patience: float, request_started: float | None = None) -> Arm:

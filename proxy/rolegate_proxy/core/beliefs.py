@@ -25,6 +25,23 @@ observed value and an honest spread, wider when little has been seen.
 * **Unknown machines.** A machine with no published figure and no sighting has no belief
   (None). Its first sighting gives it a weak prior (`learned_weight`) centred on what was
   seen, and from then on it is a candidate, and refusable, like any other (SPEC B2).
+* **Whole answers (SPEC B7).** A non-streamed answer of k tokens shows one number, its total
+  time T, and never per-token gaps: a cached or batched answer in 2 ms is no evidence that
+  the machine's streams write a token every 22 us. It is filed as the answer's *pace*, T
+  over what the machine's published shape (its TTFT + k x its gap, a reference shape where
+  nothing is published) gives for k tokens, in a third belief of its own (`completion`).
+  The gap and TTFT beliefs, and with them the rate test, never see it. The expected time
+  to a usable answer (`MachineBelief.expected_seconds`) is a joint estimate: the streams'
+  TTFT + k x gap and the answers' pace x shape, averaged on the log scale by the evidence
+  behind each, so a machine that answers non-streamed requests 100x slower than published
+  is believed slow, and one that answers them instantly moves routing but not the gaps.
+  A machine known only from whole answers takes stand-in priors (weight `learned_weight`)
+  for its TTFT and gap from its pace, until a stream teaches them.
+* **Bounded spread.** A gap or pace belief's predictive log-variance is held at
+  `max_log_var` (a per-token log-sd of 1: the 97th percentile within 7x of the median),
+  its mean kept: a wider one says that what was mixed is not one machine's (issue 31 saw
+  6.49 from 2 ms answers filed with 15 ms gaps), and a likelihood that wide finds nothing
+  surprising. The rate test bounds the variance it assumes further (core/watch.py).
 
 * **Bounded (SPEC E8).** Every duration filed is held within core/plausible.py's ranges (a
   TTFT of 1 ms to 1 h, a gap of 0.1 ms to 1 h), so what a pod shares its peers accept;
@@ -46,6 +63,7 @@ from enum import StrEnum
 from typing import Final, NamedTuple
 
 from rolegate_policy.config import (
+    CompiledMachine,
     ProxyConfig,
 )
 
@@ -56,6 +74,7 @@ from .plausible import (
     MIN_BELIEVED_SECONDS,
     MIN_GAP_SECONDS,
     MIN_TTFT_SECONDS,
+    PACE_LOG,
     TTFT_LOG,
 )
 from .versions import Versions
@@ -68,6 +87,12 @@ MIN_SECONDS: Final = MIN_GAP_SECONDS
 MIN_PUBLISHED_TTFT: Final = MIN_TTFT_SECONDS
 _LOG_BELIEVED_LOW: Final = math.log(MIN_BELIEVED_SECONDS)
 _LOG_BELIEVED_HIGH: Final = math.log(MAX_BELIEVED_SECONDS)
+# A non-streamed answer's time is read against the machine's published shape; where none
+# is published, against this reference one: a second to the first token, then 50 tokens a
+# second. (Any fixed shape would do: what matters is that it never moves, so paces filed
+# an hour apart are of the same thing.)
+REFERENCE_TTFT: Final = 1.0
+REFERENCE_GAP: Final = 0.02
 _SQRT2: Final = math.sqrt(2.0)
 _LOG_SQRT_2PI: Final = 0.5 * math.log(2.0 * math.pi)
 
@@ -149,6 +174,28 @@ class GapStats:
 NO_GAPS: Final = GapStats()
 
 
+class Completed(NamedTuple):
+    """A whole non-streamed answer: `tokens` output tokens, all of them `seconds` after the
+    request was sent. Its first token's time and its gaps are not in it."""
+
+    seconds: float
+    tokens: int
+
+
+class Shape(NamedTuple):
+    """What a machine's published figures give for an answer of `tokens` tokens: a first
+    token after `ttft` seconds, then one every `gap`."""
+
+    ttft: float
+    gap: float
+
+    def seconds(self, tokens: float) -> float:
+        return self.ttft + max(tokens, 0.0) * self.gap
+
+
+REFERENCE_SHAPE: Final = Shape(REFERENCE_TTFT, REFERENCE_GAP)
+
+
 # Not frozen, as MachineBelief below: one is made for every arm, on the request path, and a
 # frozen dataclass sets each field through object.__setattr__. Nothing changes one once made.
 @dataclass(slots=True)
@@ -157,9 +204,10 @@ class Sighting:
     one arrived; `waited` is how long an arm that never saw a first token was waited on
     before it was cut or abandoned (evidence that TTFT >= waited; never set for an arm that
     failed with an error, which says nothing about when a token would have come). `gaps` are
-    the per-token gaps after the first token. `cut` marks an arm that ended before its answer
-    did (moved, lost a race, errored, abandoned): it teaches all the same. `at` is when it
-    was filed, on the ledger's clock."""
+    the per-token gaps after the first token. `completed` is a whole non-streamed answer
+    (its time for its tokens, nothing finer). `cut` marks an arm that ended before its
+    answer did (moved, lost a race, errored, abandoned): it teaches all the same. `at` is
+    when it was filed, on the ledger's clock."""
 
     provider: str
     model: str
@@ -169,6 +217,7 @@ class Sighting:
     waited: float | None = None
     gaps: GapStats = NO_GAPS
     cut: bool = False
+    completed: Completed | None = None
 
     def __post_init__(self) -> None:
         if self.ttft is not None and self.waited is not None:
@@ -180,7 +229,12 @@ class Sighting:
 
     @property
     def teaches(self) -> bool:
-        return self.ttft is not None or bool(self.waited) or self.gaps.count > 0
+        return (
+            self.ttft is not None
+            or bool(self.waited)
+            or self.gaps.count > 0
+            or self.completed is not None
+        )
 
 
 # --- the distributions ------------------------------------------------------------------------
@@ -256,6 +310,18 @@ class LogNormal(NamedTuple):
     def median(self) -> float:
         return duration(self.m)
 
+    def bounded(self, max_log_var: float) -> LogNormal:
+        """This belief with its predictive log-variance held at `max_log_var` and its mean
+        kept (the location moves up by half the variance taken off; the counts are kept).
+        The mean is what routing reads and what the rate test keeps a stream to: lowering
+        it with the spread would have a healthy stream of a scattered machine (or of one
+        whose old evidence is polluted) write slower than believed, and test as behind."""
+        excess = self.log_var - max_log_var
+        if not excess > 0:
+            return self
+        b = max_log_var * (self.a - 1.0) * self.kappa / (self.kappa + 1.0)
+        return self._replace(m=self.m + excess / 2.0, b=b)
+
     def mean(self) -> float:
         """The expected value of X: a log-normal's mean at the predictive's location and
         variance, so uncertainty raises it (an unsure belief promises less)."""
@@ -299,7 +365,9 @@ class LogNormal(NamedTuple):
 @dataclass(slots=True)
 class MachineBelief:
     """What is believed about one machine now. Either part may be missing (a sheet that
-    publishes a TTFT but no rate, an arm cut before its second token)."""
+    publishes a TTFT but no rate, an arm cut before its second token). `completion` is the
+    pace of its whole non-streamed answers against `shape` (None: none seen); the rate
+    test never reads it."""
 
     key: MachineKey
     source: Source
@@ -307,6 +375,8 @@ class MachineBelief:
     gap: LogNormal | None
     sightings: int = 0
     last_seen: float | None = None
+    completion: LogNormal | None = None
+    shape: Shape = REFERENCE_SHAPE
     memo: dict[int, float | None] = field(default_factory=dict, repr=False, compare=False)
     # The two means, read once: routing and teaching ask for them again and again.
     expected_ttft: float | None = field(init=False, compare=False)
@@ -322,10 +392,18 @@ class MachineBelief:
         gap = self.expected_gap
         return None if gap is None else 1.0 / gap
 
+    @property
+    def expected_pace(self) -> float | None:
+        """How many times its shape a whole non-streamed answer takes (None: none seen)."""
+        pace = self.completion
+        return None if pace is None or pace.weight <= 0 else pace.mean()
+
     def expected_seconds(self, tokens: int) -> float | None:
-        """Expected time to a usable answer of `tokens` tokens: TTFT + tokens x gap. None
-        unless both parts are believed. Remembered per token count (beliefs are cached
-        and asked again on every routing decision)."""
+        """Expected time to a usable answer of `tokens` tokens: the streams' TTFT + tokens
+        x gap, joined with what whole answers showed (pace x shape) by the weight of the
+        evidence behind each, on the log scale. None unless both TTFT and gap are believed.
+        Remembered per token count (beliefs are cached and asked again on every routing
+        decision)."""
         memo = self.memo
         if tokens in memo:
             return memo[tokens]
@@ -333,9 +411,26 @@ class MachineBelief:
         ttft, gap = self.expected_ttft, self.expected_gap
         if ttft is not None and gap is not None:
             expected = ttft + max(tokens, 0) * gap
+            expected = self._joined(expected, tokens)
         if len(memo) < 8:
             memo[tokens] = expected
         return expected
+
+    def _joined(self, streamed: float, tokens: int) -> float:
+        """`streamed` (the streams' expectation) joined with the whole answers'. Each side
+        weighs what it rests on: the gap belief its prior and stream data, the pace its
+        answers (each counted as one stream is). Both are held within the believed range,
+        so the logs are finite."""
+        pace, gap = self.expected_pace, self.gap
+        if pace is None or gap is None or self.completion is None:
+            return streamed
+        answered = pace * self.shape.seconds(tokens)
+        weight_s, weight_c = gap.kappa, self.completion.weight
+        log_joint = (
+            weight_s * math.log(max(streamed, MIN_BELIEVED_SECONDS))
+            + weight_c * math.log(max(answered, MIN_BELIEVED_SECONDS))
+        ) / (weight_s + weight_c)
+        return duration(log_joint)
 
     def gap_log_pdf(self, gap: float) -> float | None:
         return None if self.gap is None else self.gap.log_pdf(gap)
@@ -364,8 +459,10 @@ class LedgerSettings:
     # Prior spread (sd of the log) around a published or first-seen TTFT and gap.
     ttft_log_sd: float = 0.6
     gap_log_sd: float = 0.5
-    # One stream's gaps count for at most this many observations.
+    # One stream's gaps count for at most this many observations; so does one whole answer.
     stream_weight: float = 8.0
+    # The widest predictive log-variance a gap or pace belief answers (see the docstring).
+    max_log_var: float = 1.0
     # The data behind one quantity never weighs more than this (after forgetting); also the
     # most one peer's evidence weighs here (`Ledger.hear`).
     max_weight: float = MAX_EVIDENCE_WEIGHT
@@ -380,8 +477,8 @@ class LedgerSettings:
             raise ValueError("weights must be positive")
         if self.max_weight < self.stream_weight:
             raise ValueError("max_weight must be at least stream_weight")
-        if min(self.ttft_log_sd, self.gap_log_sd) <= 0:
-            raise ValueError("prior spreads must be positive")
+        if min(self.ttft_log_sd, self.gap_log_sd, self.max_log_var) <= 0:
+            raise ValueError("prior spreads and max_log_var must be positive")
         if self.max_keys < 1:
             raise ValueError("max_keys must be at least 1")
 
@@ -492,6 +589,8 @@ class MachineEvidence:
     ttft: Evidence | None
     gap: Evidence | None
     sightings: int = 0
+    # The pace of its whole non-streamed answers (kept apart from the gaps, SPEC B7).
+    completion: Evidence | None = None
 
 
 def _evidence(stats: _Stats, now: float, half_life: float) -> Evidence | None:
@@ -511,17 +610,58 @@ def _stats_of(evidence: Evidence | None, weight: float, now: float, cap: float) 
 class _Sheet:
     ttft: _Prior | None
     gap: _Prior | None
+    # The published figures themselves (a reference for any not published): what a whole
+    # answer's pace is read against.
+    shape: Shape = REFERENCE_SHAPE
 
 
 @dataclass(slots=True)
 class _Entry:
     ttft: _Stats
     gap: _Stats
-    # Priors seeded by the first sighting of each part: used when no sheet figure exists.
+    completion: _Stats = field(default_factory=lambda: _Stats())
+    # Priors seeded by the first sighting of each part: used when no sheet figure exists
+    # (for the pace, always: nothing publishes one).
     ttft_prior: _Prior | None = None
     gap_prior: _Prior | None = None
+    completion_prior: _Prior | None = None
     sightings: int = 0
     last_seen: float | None = None
+
+
+class _Heard(NamedTuple):
+    """What the fleet said about one machine, summed over peers."""
+
+    ttft: _Stats
+    gap: _Stats
+    completion: _Stats
+
+
+class _HeardPriors(NamedTuple):
+    """Priors seeded from the fleet's word, for a machine this pod has none of its own for."""
+
+    ttft: _Prior | None
+    gap: _Prior | None
+    completion: _Prior | None
+
+
+_NO_PRIORS: Final = _HeardPriors(None, None, None)
+
+
+def _heard_prior(stats: _Stats, log_sd: float, weight: float) -> _Prior | None:
+    if not stats.n > 1e-6:
+        return None
+    return _Prior.around_log(stats.s1 / stats.n, log_sd, weight)
+
+
+def _published_shape(machine: CompiledMachine) -> Shape:
+    """A machine's published TTFT and gap, each the reference's where not published."""
+    ttft = machine.ttft_seconds
+    rate = machine.tokens_per_second
+    return Shape(
+        REFERENCE_TTFT if ttft is None else max(ttft, MIN_PUBLISHED_TTFT),
+        REFERENCE_GAP if rate is None or not rate > 0 else 1.0 / rate,
+    )
 
 
 class Ledger:
@@ -545,8 +685,8 @@ class Ledger:
         self._stale: set[MachineKey] = set()
         # The fleet's evidence (other proxy pods'), replaced whole by `hear`: (ttft, gap)
         # statistics and, for machines this pod has no prior for, priors seeded from it.
-        self._peers: dict[MachineKey, tuple[_Stats, _Stats]] = {}
-        self._peer_priors: dict[MachineKey, tuple[_Prior | None, _Prior | None]] = {}
+        self._peers: dict[MachineKey, _Heard] = {}
+        self._peer_priors: dict[MachineKey, _HeardPriors] = {}
         # What changed when, for readers that keep what they derived (the chooser's
         # standings): every filed sighting, sheet, restore and hearing counts.
         self.versions = Versions()
@@ -583,7 +723,7 @@ class Ledger:
                         )
                     if ttft is not None or gap is not None:
                         key = MachineKey(provider.name, model.name, machine.name)
-                        sheet[key] = _Sheet(ttft, gap)
+                        sheet[key] = _Sheet(ttft, gap, _published_shape(machine))
         for key in self._sheet:
             if key not in sheet and key not in self._entries and key not in self._peers:
                 self._unindex(key)
@@ -635,30 +775,57 @@ class Ledger:
         half_life = settings.half_life_seconds
         ttft_prior = sheet.ttft if sheet is not None and sheet.ttft is not None else None
         gap_prior = sheet.gap if sheet is not None and sheet.gap is not None else None
+        pace_prior = None
         if entry is not None:
             ttft_prior = ttft_prior or entry.ttft_prior
             gap_prior = gap_prior or entry.gap_prior
+            pace_prior = entry.completion_prior
         peers = self._peers.get(key)
-        if peers is not None and (ttft_prior is None or gap_prior is None):
-            seeded = self._peer_priors.get(key, (None, None))
-            ttft_prior, gap_prior = ttft_prior or seeded[0], gap_prior or seeded[1]
-        if ttft_prior is None and gap_prior is None:
+        if peers is not None and (ttft_prior is None or gap_prior is None or pace_prior is None):
+            seeded = self._peer_priors.get(key, _NO_PRIORS)
+            ttft_prior, gap_prior = ttft_prior or seeded.ttft, gap_prior or seeded.gap
+            pace_prior = pace_prior or seeded.completion
+        if ttft_prior is None and gap_prior is None and pace_prior is None:
             return None
-        stats_ttft = entry.ttft if entry is not None else _Stats()
-        stats_gap = entry.gap if entry is not None else _Stats()
-        peer_ttft, peer_gap = peers if peers is not None else (None, None)
+        empty = _Stats()
+        peer = peers if peers is not None else _Heard(empty, empty, empty)
         cap = settings.max_weight
+        shape = sheet.shape if sheet is not None else REFERENCE_SHAPE
+        completion = None
+        if pace_prior is not None:
+            stats = entry.completion if entry is not None else empty
+            completion = stats.posterior(pace_prior, now, half_life, peer.completion, cap)
+            completion = completion.bounded(settings.max_log_var)
+            # Known from whole answers alone: stand-in priors for what streams would show,
+            # the answers' pace times the shape, each worth a first sighting. Priors, not
+            # data: the first stream's gaps outweigh them.
+            stand_in = _Prior.around(
+                completion.mean() * shape.ttft, settings.ttft_log_sd,
+                settings.learned_weight, mean=True,
+            ) if ttft_prior is None else None  # fmt: skip
+            ttft_prior = ttft_prior or stand_in
+            if gap_prior is None:
+                gap_prior = _Prior.around(
+                    completion.mean() * shape.gap, settings.gap_log_sd,
+                    settings.learned_weight, mean=True,
+                )  # fmt: skip
+        ttft = gap = None
+        if ttft_prior is not None:
+            stats = entry.ttft if entry is not None else empty
+            ttft = stats.posterior(ttft_prior, now, half_life, peer.ttft, cap)
+        if gap_prior is not None:
+            stats = entry.gap if entry is not None else empty
+            gap = stats.posterior(gap_prior, now, half_life, peer.gap, cap)
+            gap = gap.bounded(settings.max_log_var)
         return MachineBelief(
             key,
             Source.SHEET if sheet is not None else Source.LEARNED,
-            None
-            if ttft_prior is None
-            else stats_ttft.posterior(ttft_prior, now, half_life, peer_ttft, cap),
-            None
-            if gap_prior is None
-            else stats_gap.posterior(gap_prior, now, half_life, peer_gap, cap),
+            ttft,
+            gap,
             entry.sightings if entry is not None else 0,
             entry.last_seen if entry is not None else None,
+            completion,
+            shape,
         )
 
     def machine_set(self, provider: str, model: str) -> KeysView[str] | frozenset[str]:
@@ -765,6 +932,27 @@ class Ledger:
                 )
             entry.gap.add(weight, mean, var, now, settings)
 
+        # A whole non-streamed answer: its pace, in a belief of its own (never gaps).
+        if sighting.completed is not None:
+            self._file_completion(entry, key, sighting.completed, now)
+
+    def _file_completion(
+        self, entry: _Entry, key: MachineKey, completed: Completed, now: float
+    ) -> None:
+        """File one whole answer's pace: its time over its machine's shape for its tokens,
+        one observation worth as much as one stream's gaps (it is the sum of as many)."""
+        settings = self.settings
+        sheet = self._sheet.get(key)
+        shape = sheet.shape if sheet is not None else REFERENCE_SHAPE
+        seconds = max(completed.seconds, MIN_SECONDS)
+        y = PACE_LOG.clamp(math.log(seconds / shape.seconds(completed.tokens)))
+        if entry.completion_prior is None:
+            entry.completion_prior = _Prior.around_log(
+                y, settings.gap_log_sd, settings.learned_weight
+            )
+        weight = min(float(max(completed.tokens, 1)), settings.stream_weight)
+        entry.completion.add(weight, y, 0.0, now, settings)
+
     # -- the fleet's memory ----------------------------------------------------------------
 
     def evidence(self, now: float) -> list[MachineEvidence]:
@@ -776,8 +964,9 @@ class Ledger:
         for key, entry in reversed(self._entries.items()):
             ttft = _evidence(entry.ttft, now, half_life)
             gap = _evidence(entry.gap, now, half_life)
-            if ttft is not None or gap is not None:
-                found.append(MachineEvidence(key, ttft, gap, entry.sightings))
+            completion = _evidence(entry.completion, now, half_life)
+            if ttft is not None or gap is not None or completion is not None:
+                found.append(MachineEvidence(key, ttft, gap, entry.sightings, completion))
         return found
 
     def restore(self, evidence: Iterable[MachineEvidence], age: float, now: float) -> None:
@@ -790,6 +979,7 @@ class Ledger:
             entry = self._entry(item.key)
             entry.ttft = _stats_of(item.ttft, factor, now, cap)
             entry.gap = _stats_of(item.gap, factor, now, cap)
+            entry.completion = _stats_of(item.completion, factor, now, cap)
             entry.sightings = max(entry.sightings, item.sightings)
             if item.ttft is not None and entry.ttft_prior is None:
                 entry.ttft_prior = _Prior.around_log(
@@ -798,6 +988,10 @@ class Ledger:
             if item.gap is not None and entry.gap_prior is None:
                 entry.gap_prior = _Prior.around_log(
                     item.gap.mean_log, settings.gap_log_sd, settings.learned_weight
+                )
+            if item.completion is not None and entry.completion_prior is None:
+                entry.completion_prior = _Prior.around_log(
+                    item.completion.mean_log, settings.gap_log_sd, settings.learned_weight
                 )
         self._cache.clear()
         self._stale.clear()
@@ -813,27 +1007,27 @@ class Ledger:
         as far as a sample that size allows, never as far as a billion claimed ones."""
         settings = self.settings
         cap = settings.max_weight
-        heard: dict[MachineKey, tuple[_Stats, _Stats]] = {}
+        heard: dict[MachineKey, _Heard] = {}
         for item, weight in peers:
             if not weight > 0:
                 continue
-            ttft, gap = heard.setdefault(item.key, (_Stats(at=now), _Stats(at=now)))
-            for stats, part in ((ttft, item.ttft), (gap, item.gap)):
+            stats = heard.get(item.key)
+            if stats is None:
+                stats = heard[item.key] = _Heard(_Stats(at=now), _Stats(at=now), _Stats(at=now))
+            for into, part in zip(stats, (item.ttft, item.gap, item.completion), strict=True):
                 if part is not None and part.n > 0:
                     scale = weight * min(1.0, cap / part.n)
-                    stats.n += part.n * scale
-                    stats.s1 += part.s1 * scale
-                    stats.s2 += part.s2 * scale
-        priors: dict[MachineKey, tuple[_Prior | None, _Prior | None]] = {}
-        for key, (ttft, gap) in heard.items():
-            priors[key] = (
-                _Prior.around_log(ttft.s1 / ttft.n, settings.ttft_log_sd, settings.learned_weight)
-                if ttft.n > 1e-6
-                else None,
-                _Prior.around_log(gap.s1 / gap.n, settings.gap_log_sd, settings.learned_weight)
-                if gap.n > 1e-6
-                else None,
+                    into.n += part.n * scale
+                    into.s1 += part.s1 * scale
+                    into.s2 += part.s2 * scale
+        priors = {
+            key: _HeardPriors(
+                _heard_prior(stats.ttft, settings.ttft_log_sd, settings.learned_weight),
+                _heard_prior(stats.gap, settings.gap_log_sd, settings.learned_weight),
+                _heard_prior(stats.completion, settings.gap_log_sd, settings.learned_weight),
             )
+            for key, stats in heard.items()
+        }
         for key in self._peers:
             if key not in heard and key not in self._sheet and key not in self._entries:
                 self._unindex(key)

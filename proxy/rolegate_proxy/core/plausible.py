@@ -72,6 +72,10 @@ class LogRange(NamedTuple):
 
 TTFT_LOG: Final = LogRange.of(MIN_TTFT_SECONDS, MAX_DURATION_SECONDS)
 GAP_LOG: Final = LogRange.of(MIN_GAP_SECONDS, MAX_DURATION_SECONDS)
+# The pace of a whole non-streamed answer: its time over what its machine's published (or
+# a reference) shape gives for its tokens (core/beliefs.py). A million times faster or
+# slower than the shape is no machine's, it is a wrong sheet or a wrong count.
+PACE_LOG: Final = LogRange.of(1e-6, 1e6)
 
 # What a belief's arithmetic may answer, whatever got into it (defence in depth: nothing
 # outside the ranges above should reach a belief). 1e9 s is 31 years: a belief that long

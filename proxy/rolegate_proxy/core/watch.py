@@ -30,11 +30,13 @@ so r_e = R / M is the break-even rate. With tolerance rho (default 2):
 
 Each content event of k tokens over dt seconds is an observation y = log(dt / k); under
 either hypothesis y is normal (log-normal gaps, the mean of k of them moment-matched) with
-the serving belief's predictive variance, floored: a wide belief makes each token weak
-evidence, a narrow one strong. The per-event log-likelihood ratio is clipped to
-[-clip, clip] (Huber's robust test: no single gap, a pause or a burst, decides), and the
-sum is floored at B so that a long healthy stretch does not bank credit that would hide a
-later collapse. A `rate` act needs the sum at A and at least `min_gaps` gaps.
+the serving belief's predictive variance, floored and bounded: a wide belief makes each
+token weak evidence, a narrow one strong, and no belief is so wide that a healthy stream
+tests as behind (`WatchSettings.max_log_var`, where the bound is worked out). The
+per-event log-likelihood ratio is clipped to [-clip, clip] (Huber's robust test: no single
+gap, a pause or a burst, decides), and the sum is floored at B so that a long healthy
+stretch does not bank credit that would hide a later collapse. A `rate` act needs the sum
+at A and at least `min_gaps` gaps.
 
 **Silence is evidence.** A stream that has gone quiet is judged on a timer, not at its next
 token: a silence of d seconds is at least as slow as floor(d x r1) gaps at the behind rate
@@ -134,6 +136,46 @@ class WatchSettings:
     def lower(self) -> float:
         """Wald's B = log(beta / (1 - alpha)): the floor the sum is held at."""
         return math.log(self.missed_move / (1.0 - self.false_move))
+
+    @property
+    def max_log_var(self) -> float:
+        """The widest per-token log-gap variance the test assumes: log(rho) / 2.
+
+        Why a bound, and why this one. Both hypotheses are log-normal with the test's
+        variance v (v_k <= v for an event of k tokens) and are matched on the *mean* gap:
+        mu0 = -log r0 - v_k / 2 and mu1 = -log r1 - v_k / 2 = mu0 + d, where
+        d = log(r0 / r1) >= 2 log(rho) (r1 <= r0 / rho^2 by construction). The step is
+        linear in the observed log gap y:
+
+            step(y) = ((y - mu0)^2 - (y - mu1)^2) / (2 v_k) = d (y - mu0 - d / 2) / v_k.
+
+        A healthy stream writes at its machine's believed rate r_S: its gaps are
+        log-normal with mean gap 1 / r_S, so E[y] = -log r_S - s^2 / 2 <= -log r_S for
+        whatever spread s it really has. When the alternative is no faster than the
+        serving machine, the break-even rate r_e is below r_S (it pays a first token
+        too), so r0 = max(r_S, r_e / rho) = r_S and
+
+            E[step] <= d (-log r_S + log r_S + v_k / 2 - d / 2) / v_k = d (v_k - d) / (2 v_k).
+
+        Unbounded, that is positive as soon as v_k > d: with rho = 2, past a log-variance
+        of 1.39 a stream at exactly its believed rate drifts toward "behind" (issue 31: a
+        belief polluted to 6.49 moved a healthy 61 tok/s stream after 11-13 tokens). With
+        v_k <= v <= log(rho) / 2 <= d / 4, v_k - d <= -3 d / 4, so
+
+            E[step] <= -3 d^2 / (8 v_k) <= -3 d / 2 <= -3 log(rho) per event:
+
+        the ratio drifts toward the serving machine by at least 2 nats an event at rho = 2,
+        and, held at the floor B, a walk with that drift reaches A = B + 7.5 nats only as a
+        large deviation. The clip keeps the sign: y is normal, so the step is symmetric
+        about its mean, and an odd monotone clip of it has a mean of the same sign.
+
+        The margin is what the bound buys beyond the worst case: the drift stays negative
+        while E[y] < -log r_S + (d - v_k) / 2, i.e. for a stream up to rho^(3/4) (1.68x at
+        rho = 2) slower than its believed mean gap, about 2.6 sd of the stream-to-stream
+        spread of rates seen in seed 003. (log(rho) would have left sqrt(rho), 1.41x: with
+        that spread, 23 of 1,000 jittered streams on the issue's belief were moved, against
+        2 here, both beyond the margin; unbounded, all 1,000.)"""
+        return math.log(self.tolerance) / 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,8 +300,11 @@ class Watch:
         self._continuing = tuple(undominated(a for a in others if a.continues_partial))
         gap = None if self.belief is None else self.belief.gap
         self._believed_gap = None if gap is None else gap.mean()
-        var = self.settings.default_log_sd**2 if gap is None else gap.log_var
-        self._log_var = max(var, self.settings.min_log_sd**2)
+        settings = self.settings
+        var = settings.default_log_sd**2 if gap is None else gap.log_var
+        # Floored (jitter is never less), then bounded (`max_log_var`: beyond it a healthy
+        # stream would test as behind); the bound wins should the two ever cross.
+        self._log_var = min(max(var, settings.min_log_sd**2), settings.max_log_var)
 
     @property
     def deadline(self) -> float:

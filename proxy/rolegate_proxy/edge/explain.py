@@ -169,6 +169,8 @@ async def state(request: web.Request) -> web.Response:
                 "sightings": belief.sightings,
                 "expected_ttft_seconds": belief.expected_ttft,
                 "expected_tokens_per_second": belief.expected_rate,
+                # Whole non-streamed answers' time over the published shape (SPEC B7).
+                "expected_answer_pace": belief.expected_pace,
             }
         )
     breakers = [

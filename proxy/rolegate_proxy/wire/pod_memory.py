@@ -7,7 +7,8 @@ bounded, and read as untrusted input.
      "faults": [["openrouter", "qwen/qwen3-coder", null, "empty_response",
                  [80412.5, 3601.2, 12.0]], ...],
      "trips": [["openrouter", "qwen/qwen3-coder", "deepinfra", "EmptyResponses"], ...],
-     "rates": [["openrouter", "qwen/qwen3-coder", null, "content", 40, 14], ...]}
+     "rates": [["openrouter", "qwen/qwen3-coder", null, "content", 40, 14], ...],
+     "completions": [["openrouter", "qwen/qwen3-coder", "deepinfra", [16, 3.1, 4.2]], ...]}
 
 Each machine is `[provider, model, machine, sightings, ttft, gap, score]`: `ttft` and
 `gap` are `[n, sum of logs, sum of squared logs]` (the ledger's evidence), `score` is
@@ -21,6 +22,11 @@ when it was seen, in seconds before `writtenAt` (the novelty baseline). Each tri
 `[provider, model, machine, family, outcomes, faults]`: a breaker key's rate window. Each
 in-flight row is `[provider, model, machine, count]`: the pod's requests on that machine
 as it wrote (what the fleet's routing counts in its queues; absent in older memories).
+Each completion row is `[provider, model, machine, pace]`: the evidence of the pace of that
+machine's whole non-streamed answers (core/beliefs.py), kept apart from its gaps (SPEC B7).
+It is a key of its own, not an eighth column of a machine row, so that a pod of an earlier
+version, which refuses a machine row of any other length, still reads the memory (it
+ignores keys it does not know); a memory without it (an earlier pod's) reads as no paces.
 
 A memory that does not parse, names a newer format, or breaks a bound is refused whole
 (`MemoryFormatError`): a pod starts cold rather than from a half-read memory. The bounds
@@ -53,6 +59,7 @@ from ..core.plausible import (
     MAX_COUNT,
     MAX_FAULT_AGE_SECONDS,
     MAX_RATE_WINDOW,
+    PACE_LOG,
     TTFT_LOG,
     LogRange,
     evidence_fault,
@@ -86,6 +93,14 @@ def encode(memory: PodMemory) -> bytes:
     for key, score in memory.scores:
         row = rows.setdefault(key, [*key, 0, None, None, None])
         row[6] = [min(score.n, MAX_COUNT), _short(score.mean), _short(score.weight)]
+    in_flight = [
+        [*key, min(count, MAX_IN_FLIGHT)] for key, count in memory.in_flight[:MAX_MACHINES]
+    ]
+    completions = [
+        [*item.key, _evidence(item.completion)]
+        for item in memory.machines[:MAX_MACHINES]
+        if item.completion is not None
+    ]
     return orjson.dumps(
         {
             "format": FORMAT,
@@ -102,9 +117,8 @@ def encode(memory: PodMemory) -> bytes:
                 [*rate.key, rate.family.value, rate.count, rate.faults]
                 for rate in memory.rates[:MAX_FAULTS]
             ],
-            "inFlight": [
-                [*key, min(count, MAX_IN_FLIGHT)] for key, count in memory.in_flight[:MAX_MACHINES]
-            ],
+            **({"completions": completions} if completions else {}),
+            **({"inFlight": in_flight} if in_flight else {}),
         }
     )
 
@@ -151,6 +165,7 @@ def decode(data: bytes, now: float | None = None) -> PodMemory:
         raise MemoryFormatError(
             f"writtenAt is in the future (more than {MAX_CLOCK_SKEW_SECONDS:g} s ahead)"
         )
+    paces = _read_completions(document.get("completions", []))
     evidence: list[MachineEvidence] = []
     scores: list[tuple[MachineKey, ScoreEvidence]] = []
     for index, item in enumerate(machines):
@@ -165,8 +180,8 @@ def decode(data: bytes, now: float | None = None) -> PodMemory:
             _read_evidence(ttft, f"{where}: ttft", TTFT_LOG),
             _read_evidence(gap, f"{where}: gap", GAP_LOG),
         )
-        if beliefs != (None, None):
-            evidence.append(MachineEvidence(key, *beliefs, sightings))
+        if beliefs != (None, None) or key in paces:
+            evidence.append(MachineEvidence(key, *beliefs, sightings, paces.pop(key, None)))
         if score is not None:
             scores.append((key, _read_score(score, f"{where}: score")))
     faults = document.get("faults", [])
@@ -178,6 +193,8 @@ def decode(data: bytes, now: float | None = None) -> PodMemory:
     rates = document.get("rates", [])
     if not isinstance(rates, list) or len(rates) > MAX_FAULTS:
         raise MemoryFormatError(f"rates is not a list of at most {MAX_FAULTS}")
+    # A pace for a machine with no row: its machine row's sightings are unknown (0).
+    evidence.extend(MachineEvidence(key, None, None, 0, pace) for key, pace in paces.items())
     in_flight = document.get("inFlight", [])
     if not isinstance(in_flight, list) or len(in_flight) > MAX_MACHINES:
         raise MemoryFormatError(f"inFlight is not a list of at most {MAX_MACHINES}")
@@ -203,6 +220,24 @@ def _in_flight(item: Any, where: str) -> tuple[MachineKey, int]:
     if not (isinstance(count, int) and not isinstance(count, bool) and 0 < count <= MAX_IN_FLIGHT):
         raise MemoryFormatError(f"{where}: count is not a count of 1 to {MAX_IN_FLIGHT}")
     return key, count
+
+
+def _read_completions(rows: Any) -> dict[MachineKey, Evidence]:
+    """The completion rows, by machine (a machine named twice: the first row counts)."""
+    if not isinstance(rows, list) or len(rows) > MAX_MACHINES:
+        raise MemoryFormatError(f"completions is not a list of at most {MAX_MACHINES}")
+    paces: dict[MachineKey, Evidence] = {}
+    for index, item in enumerate(rows):
+        where = f"completions[{index}]"
+        if not isinstance(item, list) or len(item) != 4:
+            raise MemoryFormatError(f"{where} is not a list of 4")
+        provider, model, machine, pace = item
+        key = MachineKey(_name(provider, where), _name(model, where), _name(machine, where))
+        found = _read_evidence(pace, f"{where}: pace", PACE_LOG)
+        if found is None:
+            raise MemoryFormatError(f"{where}: pace is not [n, sum, sum of squares]")
+        paces.setdefault(key, found)
+    return paces
 
 
 def _rate(item: Any, where: str) -> RateCount:
