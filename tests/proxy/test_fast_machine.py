@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from ..support import (
     ProxyFactory,
@@ -51,11 +52,14 @@ TRUTH = [
 AGENT = role_table({**role("agent", [MODEL], patience=60), "expectedOutputTokens": 12})
 
 
-async def _served(client: httpx.AsyncClient, proxy_url: str, sim_url: str, count: int) -> list[str]:
+async def _served(
+    client: httpx.AsyncClient, proxy_url: str, sim_url: str, count: int, *, stream: bool = True
+) -> list[str]:
     """Ask `count` times, one after another; the machine that answered each."""
     machines = []
     for _ in range(count):
-        response = await client.post(f"{proxy_url}/v1/chat/completions", json=ASK, timeout=30)
+        ask = {**ASK, "stream": stream}
+        response = await client.post(f"{proxy_url}/v1/chat/completions", json=ask, timeout=30)
         assert response.status_code == 200, response.text
         machines.append((await sim_records(sim_url))[-1]["machine"])
     return machines
@@ -67,13 +71,14 @@ async def _sim(sim_server: SimFactory) -> str:
     return sim.url
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 async def test_a_machine_believed_far_slower_stops_leading_after_its_first_answer(
-    sim_server: SimFactory, proxy_server: ProxyFactory
+    sim_server: SimFactory, proxy_server: ProxyFactory, stream: bool
 ) -> None:
     sim_url = await _sim(sim_server)
     proxy = await proxy_server([machine_policy(sim_url, MODEL, SHEET), AGENT])
     async with httpx.AsyncClient() as client:
-        served = await _served(client, proxy.url, sim_url, 6)
+        served = await _served(client, proxy.url, sim_url, 6, stream=stream)
     # S1 leads the first request on its published figures; what it shows then sends every
     # later one to S2, the pin and S1's record of usable answers notwithstanding. (The
     # second request may still go to S1: asked within BELIEF_COALESCE_SECONDS of S1's
