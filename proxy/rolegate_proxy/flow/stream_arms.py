@@ -21,6 +21,7 @@ from ..core.watch import Watch
 from ..wire.chat_request import ChatRequest
 from .arms import ArmRun, StreamHooks, open_stream
 from .client_stream import ClientStream
+from .memory import RequestMemory
 from .services import Services
 from .stream import OpenedStream
 from .upstream import Silence
@@ -46,13 +47,24 @@ class Host(Protocol):
     @property
     def deadline(self) -> float: ...
 
+    @property
+    def memory(self) -> RequestMemory: ...
+
     def client_stream(self) -> ClientStream: ...
 
-    def onward(self, provider: str, model: str, machine: str) -> Attempt | None: ...
+    def onward(
+        self,
+        provider: str,
+        model: str,
+        machine: str,
+        *,
+        continuation: bool = False,
+        retry: bool = False,
+    ) -> Attempt | None: ...
 
-    def record(self, end: ArmEnd) -> None: ...
+    def record(self, end: ArmEnd, *, continuation: bool = False) -> None: ...
 
-    def fail(self, end: ArmEnd) -> None: ...
+    def fail(self, end: ArmEnd, *, continuation: bool = False) -> None: ...
 
     def served(self, end: ArmEnd, *, recorded: bool = False) -> None: ...
 
@@ -86,12 +98,37 @@ class StreamArms:
         return services.chooser.plan(chat.role, candidates, services.breakers.exclusion, self.now())
 
     def frontier(self) -> tuple[Alternative, ...]:
-        """What the rate test compares the serving machine with, as the chooser keeps it."""
+        """What the rate test compares the serving machine with: the chooser's frontier
+        (kept per role), less what this request remembers (SPEC B9: never moved or raced
+        back to a machine it left) and the models that refused its body. The chooser's
+        frontier holds every machine that can win with any one other left out, so one
+        machine forgotten loses no better alternative; a machine past that is at worst
+        one the watch does not offer, never one it offers wrongly."""
         services, chat = self.services, self.host.chat
         candidates = services.candidates(chat.role, self.host.config)
-        return services.chooser.frontier(
+        frontier = services.chooser.frontier(
             chat.role, candidates, services.breakers.exclusion, self.now()
         )
+        memory = self.host.memory
+        if not memory.machines and not memory.bodies:
+            return frontier
+        return tuple(
+            alternative
+            for alternative in frontier
+            if memory.why(alternative.key) is None
+            and memory.body_refused(alternative.key.model, continuation=True) is None
+        )
+
+    def forget_left(self, watch: Watch) -> None:
+        """A watch made before this request left some of its alternatives (a race's loser
+        is known only once the race is over): they are taken out of its frontier."""
+        memory = self.host.memory
+        kept = tuple(a for a in watch.frontier if memory.why(a.key) is None)
+        serving = watch.serving
+        if len(kept) != len(watch.frontier) and serving is not None:
+            watch.frontier = kept
+            # (Its alternatives are sorted again as when the machine serving is named.)
+            watch.identify(serving, watch.belief)
 
     def run(
         self, attempt: Attempt, budget: float, act: ArmAct | None = None, delivered: int = 0
