@@ -99,36 +99,38 @@ class StreamArms:
 
     def frontier(self) -> tuple[Alternative, ...]:
         """What the rate test compares the serving machine with: the chooser's frontier
-        (kept per role), less what this request remembers (SPEC B9: never moved or raced
-        back to a machine it left) and the models that refused its body. The chooser's
-        frontier holds every machine that can win with any one other left out, so one
-        machine forgotten loses no better alternative; a machine past that is at worst
-        one the watch does not offer, never one it offers wrongly."""
+        (kept per role) while this request has left no machine; once it has, the plan's
+        with those machines avoided (SPEC B9: never moved or raced back to a machine it
+        left; the kept frontier, cut to what wins with any one machine left out, could
+        miss the machine that wins with two left out). Either way without the models that
+        refused this request's body for its length."""
         services, chat = self.services, self.host.chat
         candidates = services.candidates(chat.role, self.host.config)
-        frontier = services.chooser.frontier(
-            chat.role, candidates, services.breakers.exclusion, self.now()
-        )
         memory = self.host.memory
         if not memory.machines and not memory.bodies:
-            return frontier
+            return services.chooser.frontier(
+                chat.role, candidates, services.breakers.exclusion, self.now()
+            )
+        plan = services.chooser.plan(
+            chat.role, candidates, services.breakers.exclusion, self.now(),
+            avoid=memory.all_avoided(),
+        )  # fmt: skip
         return tuple(
             alternative
-            for alternative in frontier
-            if memory.why(alternative.key) is None
-            and memory.body_refused(alternative.key.model, continuation=True) is None
+            for alternative in plan.frontier()
+            if memory.body_refused(alternative.key.model, continuation=True) is None
         )
 
     def forget_left(self, watch: Watch) -> None:
-        """A watch made before this request left some of its alternatives (a race's loser
-        is known only once the race is over): they are taken out of its frontier."""
+        """A watch made before this request left some machines (a race's loser is known
+        only once the race is over): its frontier is made again without them."""
         memory = self.host.memory
-        kept = tuple(a for a in watch.frontier if memory.why(a.key) is None)
         serving = watch.serving
-        if len(kept) != len(watch.frontier) and serving is not None:
-            watch.frontier = kept
-            # (Its alternatives are sorted again as when the machine serving is named.)
-            watch.identify(serving, watch.belief)
+        if serving is None or not any(memory.why(a.key) for a in watch.frontier):
+            return
+        watch.frontier = self.frontier()
+        # (Its alternatives are sorted again as when the machine serving is named.)
+        watch.identify(serving, watch.belief)
 
     def run(
         self, attempt: Attempt, budget: float, act: ArmAct | None = None, delivered: int = 0
