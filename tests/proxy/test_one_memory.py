@@ -70,9 +70,11 @@ SCENARIO = {
             _machine("third", continuesPartialMessage=True),
         ]},
         {"name": REFUSING, "reply": REPLY, "machines": [
-            _machine("small", _always("serverError", status=400,
-                                      errorCode="context_length_exceeded",
-                                      message="This model's maximum context length is 8 tokens")),
+            _machine(name, _always("serverError", status=400,
+                                   errorCode="context_length_exceeded",
+                                   message="This model's maximum context length is 8 tokens"))
+            # Two machines: the one that refused is left, and so is the model's other one.
+            for name in ("small", "small2")
         ]},
         {"name": SERVING, "reply": REPLY, "machines": [
             _machine("steady", _always("rateCollapse", afterTokens=4, tokensPerSecond=25)),
@@ -119,7 +121,7 @@ def _objects(url: str) -> list[Any]:
             RACED: [{"name": "first", **QUICK, **continues},
                     {"name": "rival", "ttftSeconds": 0.05, "tokensPerSecond": 250, **continues},
                     {"name": "third", "ttftSeconds": 0.3, "tokensPerSecond": 60, **continues}],
-            REFUSING: [{"name": "small", **QUICK}],
+            REFUSING: [{"name": "small", **QUICK}, {"name": "small2", **QUICK}],
             SERVING: [{"name": "steady", **QUICK}],
             HELD: [{"name": "held", **QUICK}],
             LATE: [{"name": "late", **QUICK}],
@@ -205,7 +207,8 @@ async def test_a_model_that_refused_the_body_is_never_sent_it_again(rig: Rig) ->
     assert text == REPLY
     assert models == {SERVING}
     # One 400 for context length; the slow held answer that followed was moved by the
-    # rate test, never to the model that had refused the very same body.
+    # rate test, never to the model that had refused the very same body (not even to its
+    # other machine, which this request had not tried).
     refusals = await rig.records(REFUSING)
     assert [r["status"] for r in refusals] == [400]
     assert _machines(await rig.records(SERVING)) == ["steady"]
