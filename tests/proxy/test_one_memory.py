@@ -39,6 +39,8 @@ REPLY = " ".join(f"w{i}—é" for i in range(WORDS))
 RACED = "memory/raced"
 # Finding 4: a model that refused the body (context length) is never sent it again.
 REFUSING, SERVING = "memory/refusing", "memory/serving"
+# Finding 4: a retry after a failure skips the race's loser as well.
+RETRIED = "memory/retried"
 # Finding 5: a complete held answer beats a late alternative.
 HELD, LATE = "memory/held", "memory/late"
 # Finding 5: the slow stream kept while a continuation is tried is not charged the pause.
@@ -68,6 +70,12 @@ SCENARIO = {
             _machine("rival", _always("rateCollapse", afterTokens=4, tokensPerSecond=5),
                      continuesPartialMessage=True),
             _machine("third", continuesPartialMessage=True),
+        ]},
+        {"name": RETRIED, "reply": REPLY, "machines": [
+            _machine("lead", _always("lateFirstToken", seconds=1.0)),
+            # Wins the race with an empty answer, which counts as a failure.
+            _machine("racer", _always("empty")),
+            _machine("spare"),
         ]},
         {"name": REFUSING, "reply": REPLY, "machines": [
             _machine(name, _always("serverError", status=400,
@@ -121,6 +129,9 @@ def _objects(url: str) -> list[Any]:
             RACED: [{"name": "first", **QUICK, **continues},
                     {"name": "rival", "ttftSeconds": 0.05, "tokensPerSecond": 250, **continues},
                     {"name": "third", "ttftSeconds": 0.3, "tokensPerSecond": 60, **continues}],
+            RETRIED: [{"name": "lead", **QUICK},
+                      {"name": "racer", "ttftSeconds": 0.05, "tokensPerSecond": 250},
+                      {"name": "spare", "ttftSeconds": 0.3, "tokensPerSecond": 60}],
             REFUSING: [{"name": "small", **QUICK}, {"name": "small2", **QUICK}],
             SERVING: [{"name": "steady", **QUICK}],
             HELD: [{"name": "held", **QUICK}],
@@ -136,6 +147,7 @@ def _objects(url: str) -> list[Any]:
             "metadata": {"name": "roles", "namespace": "test"},
             "spec": {"roles": [
                 _role("raced", [RACED], "Watched"),
+                _role("retried", [RETRIED], "Watched"),
                 _role("refused", [REFUSING, SERVING], "Unwatched"),
                 _role("held", [HELD, LATE], "Unwatched"),
                 _role("paused", [PAUSED], "Watched"),
@@ -200,6 +212,18 @@ async def test_a_race_loser_is_never_moved_back_to(rig: Rig) -> None:
     assert sent[:2] == ["first", "rival"], sent
     assert sent.count("first") == 1, sent
     assert sent[2:] == ["third"], sent
+
+
+async def test_a_retry_never_goes_back_to_a_race_loser(rig: Rig) -> None:
+    text, _, _ = await _ask(rig, "retried")
+    assert text == REPLY
+    records = await rig.records(RETRIED)
+    # `lead` lost the race to `racer`, whose answer was empty: the retry that followed
+    # asked the aggregator for neither of them, not even as a fallback.
+    assert _machines(records) == ["lead", "racer", "spare"], _machines(records)
+    retry = records[-1]["provider"]
+    assert retry["order"] == ["spare"], retry
+    assert sorted(retry["ignore"]) == ["lead", "racer"], retry
 
 
 async def test_a_model_that_refused_the_body_is_never_sent_it_again(rig: Rig) -> None:
