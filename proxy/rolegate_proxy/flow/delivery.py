@@ -10,12 +10,25 @@ of the prefill is dropped), nothing lost, stop sequences kept across the seam.
 
 * A rate act (the stream fell decisively behind, or went silent) moves it to the act's
   alternative when that one continues partial messages; otherwise the slow stream is kept
-  (never cut for slowness alone) and the act counted as kept.
+  (never cut for slowness alone) and the act counted as kept. While the alternative is
+  opened the slow stream is left unread, and that pause is ours, never its silence
+  (`Relay.paused`).
+* A held answer nobody has seen (a buffered role's, or one that is a tool call alone)
+  moved to a machine that starts afresh is a race (SPEC B6): the held stream goes on
+  being read while the alternative opens. If the held answer is complete and passes its
+  judgment first, it is delivered and the alternative cancelled; a complete answer is
+  never thrown away for a slower one. If the alternative's first content comes first, it
+  serves from the start, unseen; if the held stream breaks meanwhile, the alternative is
+  its replacement.
 * A break (cut, in-band error, stall, or tool calls judged broken) is rescued by the first
   admissible machine that continues partial messages: the same model's first, then the
   role's other models. A machine that refuses the prefill (a 400) is one failed rescue,
   never the answer while another remains. With none, the client gets an error event, never
   a truncated answer presented as complete.
+
+No machine this request left (`memory.py`: it failed, refused, lost a race or was moved
+away from) is moved, raced or rescued to, except the machine that just broke, last, when
+its break was transient and the request saw nothing else of it (SPEC B9).
 
 Tool calls are held until the answer is complete and judged (`ClientStream.hold_tools`):
 a break or move inside them drops what was held, and the machine that takes over writes
@@ -43,9 +56,11 @@ from ..core.verdicts import Verdict
 from ..core.watch import Act
 from .arms import verdict_on
 from .client_stream import ClientGone, ClientStream
+from .held_race import HeldRace
+from .memory import TRANSIENT
 from .seam import Seam
 from .services import served_headers
-from .stream import Relay, Stop, StopKind
+from .stream import OpenedStream, Relay, Stop, StopKind
 from .stream_arms import Host, Leg, StreamArms
 from .upstream import ArmFailed
 
@@ -68,6 +83,11 @@ class Delivery:
         # for a leg that starts the answer. And whether its machine echoes that text.
         self.seam: str | None = None
         self.echoes = False
+        # The alternative racing a held answer, while it opens.
+        self.race: HeldRace | None = None
+        # The race that made this leg the winner left machines this watch still offered.
+        assert leg.run.watch is not None
+        arms.forget_left(leg.run.watch)
 
     async def deliver(self, client: ClientStream) -> web.StreamResponse | None:
         """Commit the stream to the client and relay it to its end. Held (a buffered role,
@@ -78,6 +98,7 @@ class Delivery:
             await client.start(served_headers(self.leg.run, self.leg.opened.model))
             return await self._relay(client)
         except ClientGone:
+            self._drop_race()
             self._left(self.leg.run.end(Cause.CLIENT_LEFT, self.now(),
                                         "the client went away mid-stream"))  # fmt: skip
             self.host.decision.outcome = OutcomeKind.CANCELLED
@@ -85,6 +106,7 @@ class Delivery:
             assert client.response is not None
             return client.response
         except asyncio.CancelledError:
+            self._drop_race()
             self._left(self.services.cancelled(self.leg.run, "mid-stream"))
             self._shown(client)
             raise
@@ -93,11 +115,19 @@ class Delivery:
         relay = self._relay_of(client, may_move=True)
         try:
             while True:
-                stop = await relay.run()
+                stop = await self._run(client, relay)
                 self._kept(relay)
+                if isinstance(stop, Relay):  # the race's alternative serves from here
+                    relay.close()
+                    relay = stop
+                    continue
                 if stop.kind is StopKind.DONE:
                     verdict = self._judged(client)
                     if not (client.holding and verdict.counts(self._degraded)):
+                        # Complete and judged: delivered, whatever is still opening.
+                        if self.race is not None:
+                            await self.race.lost()
+                            self.race = None
                         return await self._done(client, stop, verdict)
                     # A held answer judged broken (empty, mangled, a broken tool call):
                     # replaced like one that broke, unseen.
@@ -106,6 +136,10 @@ class Delivery:
                                 verdict=verdict)  # fmt: skip
                 relay.close()
                 if stop.kind is StopKind.BROKE:
+                    replaced = await self._replaced(client, stop)
+                    if replaced is not None:
+                        relay = replaced
+                        continue
                     if client.shown and self._at_limit(client):
                         return await self._capped(client, stop)
                     rescued = await self._rescue(client, stop)
@@ -114,13 +148,14 @@ class Delivery:
                     relay = rescued
                     continue
                 assert stop.act is not None
-                moved = await self._move(client, stop.act)
+                moved = await self._move(client, stop.act, relay)
                 if moved is None:
-                    relay.may_move = False  # kept: the slow stream goes on
+                    relay.may_move = False  # kept (or raced): the slow stream goes on
                 else:
                     relay = moved
         finally:
             relay.close()
+            self._drop_race()
 
     def _relay_of(self, client: ClientStream, *, may_move: bool) -> Relay:
         run, opened = self.leg.run, self.leg.opened
@@ -244,16 +279,26 @@ class Delivery:
 
     # -- handing the answer over ----------------------------------------------------------
 
-    async def _move(self, client: ClientStream, act: Act) -> Relay | None:
+    async def _move(self, client: ClientStream, act: Act, relay: Relay) -> Relay | None:
         """A rate act after content reached the client: the alternative continues the
-        delivered text in the same stream, or (it cannot start) the slow stream is kept."""
+        delivered text in the same stream, or (it cannot start) the slow stream is kept.
+        A held answer nobody saw that the alternative would start afresh is raced instead
+        (None: the held stream goes on beside it)."""
         assert act.alternative is not None
         role = self.host.chat.role.name
         slow = None
         if self._may_splice() and not self._at_limit(client):
             # Nothing seen yet: a machine that cannot continue starts the answer afresh.
-            afresh = not client.shown and not act.alternative.continues_partial
-            slow = await self._continue_on(client, act.alternative.key, afresh=afresh)
+            afresh = not client.shown and (
+                not act.alternative.continues_partial or not client.continuable.texts
+            )
+            if afresh:
+                if self._race(act):
+                    return None
+            else:
+                # The slow stream waits unread while the alternative opens: our pause.
+                with relay.paused():
+                    slow = await self._continue_on(client, act.alternative.key)
         if slow is None:
             self.services.recorder.act(role, act, "kept")
             return None
@@ -262,6 +307,77 @@ class Delivery:
         self.host.record(slow.run.end(Cause.MOVED, self.now(), detail))
         self.services.recorder.act(role, act, "continued")
         return self._relay_of(client, may_move=False)
+
+    # -- a race for a held answer -----------------------------------------------------------
+
+    def _race(self, act: Act) -> bool:
+        """Start the act's alternative beside the held answer (False: it may not be sent)."""
+        assert act.alternative is not None
+        target = act.alternative.key
+        attempt = self.host.onward(target.provider, target.model, target.machine)
+        if attempt is None:
+            return False
+        self.services.recorder.act(self.host.chat.role.name, act, "raced")
+        self.leg.run.act = ArmAct.RACED
+        budget = max(self.host.deadline - self.now(), 0.0)
+        run = self.arms.run(attempt, budget, ArmAct.RACED)
+        self.race = HeldRace(self.host, self.arms, run, act)
+        return True
+
+    async def _run(self, client: ClientStream, relay: Relay) -> Stop | Relay:
+        """The relay to its next stop; during a race, beside the alternative, whose relay
+        is returned when its first content came first."""
+        race = self.race
+        if race is None:
+            return await relay.run()
+        got = await race.beside(relay)
+        if isinstance(got, Stop):
+            if race.failed:
+                self.race = None
+            return got
+        self.race = None
+        act = race.act
+        detail = f"lost the race; raced ({act.reason.value}) after {act.tokens} tokens"
+        ended = self.leg.run.end(Cause.RACE_LOST, self.now(), f"{detail}: {act.detail}")
+        self._take_over(client, race, got, ended)
+        return self._relay_of(client, may_move=False)
+
+    async def _replaced(self, client: ClientStream, stop: Stop) -> Relay | None:
+        """The held stream broke (or was judged broken) during a race: the alternative, once
+        open, replaces it unseen; None when there is no race or it failed too."""
+        race, self.race = self.race, None
+        if race is None:
+            return None
+        opened = await race.replacement()
+        if opened is None:
+            return None
+        self._take_over(client, race, opened, self._broken(client, stop), failed=True)
+        return self._relay_of(client, may_move=False)
+
+    def _take_over(
+        self, client: ClientStream, race: HeldRace, opened: OpenedStream, ended: ArmEnd,
+        *, failed: bool = False,
+    ) -> None:  # fmt: skip
+        """The race's alternative serves from the start: the held leg ends (`ended`), and
+        what it held is dropped unseen."""
+        previous = self.leg
+        if previous.opened is not None:
+            previous.opened.close()
+        if failed:
+            self.host.fail(ended)
+        else:
+            self.host.record(ended)
+        self.leg = Leg(race.run, opened)
+        self.legs += 1
+        self.seam = None
+        self.echoes = False
+        client.back_to_mark()
+        client.discard()
+
+    def _drop_race(self) -> None:
+        race, self.race = self.race, None
+        if race is not None:
+            race.drop()
 
     def _may_splice(self) -> bool:
         """Another arm may still take the answer over: legs left, and one answer asked
@@ -278,11 +394,18 @@ class Delivery:
             return None  # nothing to go on from: the exchange starts the answer afresh
         broken = self.leg
         failed = self.arms.key(broken.run)
-        avoid: set[MachineKey] = set() if failed is None else {failed}
+        memory = self.host.memory
+        avoid = {*memory.all_avoided(), *(() if failed is None else (failed,))}
         plan = self.arms.plan()
         targets = plan.continuers(broken.run.attempt.model.name, avoid)
-        if failed is not None and failed in plan.continuers(failed.model):
-            # The machine that broke, last: a cut is often a blip, and it can continue.
+        if (
+            failed is not None
+            and stop.cause in TRANSIENT
+            and memory.why(failed) is None
+            and failed in plan.continuers(failed.model)
+        ):
+            # The machine that broke, last: a cut is often a blip, and it can continue (the
+            # same model retried for a transient fault, SPEC B9).
             targets.append(failed)
         if not targets:
             return None
@@ -290,23 +413,26 @@ class Delivery:
         self.host.fail(self.broken)
         broken.recorded = True
         for target in targets[:MAX_RESCUE_TRIES]:
-            if await self._continue_on(client, target) is not None:
+            if await self._continue_on(client, target, retry=target == failed) is not None:
                 self.broken = None
                 return self._relay_of(client, may_move=False)
         return None
 
     async def _continue_on(
-        self, client: ClientStream, target: MachineKey, *, afresh: bool = False
+        self, client: ClientStream, target: MachineKey, *, retry: bool = False
     ) -> Leg | None:
         """Send `target` the request plus the text delivered (less any tool calls held);
         when it produces its first output it serves the client from there, and the leg it
-        took over from is returned. `afresh`, or no text delivered: the plain request, and
-        what the client was not shown is dropped. A failure is recorded (None)."""
-        attempt = self.host.onward(target.provider, target.model, target.machine)
+        took over from is returned. No text delivered: the plain request, and what the
+        client was not shown is dropped. A failure is recorded (None). `retry`: `target`
+        is the machine that just broke, for a transient fault (`Exchange.onward`)."""
+        base = client.continuable
+        afresh = not base.texts
+        attempt = self.host.onward(
+            target.provider, target.model, target.machine, continuation=not afresh, retry=retry
+        )
         if attempt is None:
             return None
-        base = client.continuable
-        afresh = afresh or not base.texts
         seam = None if afresh else base.text
         budget = max(self.host.deadline - self.now(), 0.0)
         spent = 0 if afresh else base.most_tokens
@@ -316,7 +442,7 @@ class Delivery:
             opened = await self.arms.open(onward, chat)
         except ArmFailed as failure:
             # A machine refusing the prefill is one failed continuation, not the answer.
-            self.host.fail(onward.failed(failure, self.now()))
+            self.host.fail(onward.failed(failure, self.now()), continuation=seam is not None)
             return None
         previous = self.leg
         if previous.opened is not None:

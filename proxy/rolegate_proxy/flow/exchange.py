@@ -10,6 +10,8 @@ then to the next candidate, with a short jittered backoff and never past the rol
 patience. A 400 is never resent unchanged to the same model: context length moves on to a
 later model, any other refusal of the request goes back to the caller. A pooled connection
 the upstream had closed is sent again at once on a fresh one, counting against nothing.
+One memory per request (`memory.py`, SPEC B9): every arm's end is noted in it, and every
+choice made here or by the request's streamed arms (`onward`) skips what it remembers.
 Every arm's end goes to the recorder; every candidate skipped is on the decision with why.
 Streamed arms are served by `serving.StreamServer`.
 """
@@ -17,9 +19,9 @@ Streamed arms are served by `serving.StreamServer`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Collection, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeVar
+from typing import Any, Final, NamedTuple, TypeVar
 
 from aiohttp import web
 
@@ -27,6 +29,7 @@ from rolegate_policy.config import ProxyConfig
 from rolegate_policy.enums import Delivery, Ruling
 
 from ..core.arm_end import Answered, ArmEnd, Cause, RequestFault
+from ..core.beliefs import MachineKey
 from ..core.breaker import Admission
 from ..core.decisions import Decision
 from ..core.routing import Attempt, Candidate, MachineRouting, routes_machines
@@ -36,6 +39,7 @@ from ..wire.errors import ProxyError
 from .arms import ArmRun, Reply, complete, reply_response, verdict_on
 from .client_stream import ClientStream
 from .failures import exhausted, refused_for_patience, rejected
+from .memory import TRANSIENT, RequestMemory
 from .services import Services, served_headers
 from .serving import StreamServer
 from .upstream import ArmFailed, Silence, StaleConnection
@@ -46,11 +50,6 @@ T = TypeVar("T")
 RETRY_AFTER_MARGIN: Final = 0.02
 # The share of a role's patience one silent attempt may use while others could answer.
 IDLE_SHARE = 0.5
-# Causes worth another attempt at the same machine of a direct provider: the upstream
-# failed this once, not for the request (a timeout would spend the patience again).
-_TRANSIENT: Final = frozenset(
-    {Cause.HTTP_ERROR, Cause.REFUSED, Cause.CUT, Cause.IN_BAND_ERROR, Cause.MALFORMED}
-)
 
 
 @dataclass(slots=True)
@@ -63,6 +62,8 @@ class Exchange:
     headers: dict[str, str]
     # Every arm that produced nothing usable, in order.
     failures: list[ArmEnd] = field(default_factory=list)
+    # What this request saw of its machines and models: never chosen again (SPEC B9).
+    memory: RequestMemory = field(default_factory=RequestMemory)
     probes: list[Admission] = field(default_factory=list)
     # Attempts made, in all and per model on a provider (SPEC E5: the role's retry settings).
     attempts: int = 0
@@ -118,16 +119,11 @@ class Exchange:
         )  # fmt: skip
         if not candidates:
             raise exhausted(self.chat, [], self.failures, self.decision)
-        skip_models: set[str] = set()
         for index, candidate in enumerate(candidates):
-            if candidate.model.name in skip_models:
-                self.decision.skip(
-                    candidate.provider.name, candidate.model.name, None,
-                    "the model's context is too small",
-                )  # fmt: skip
+            if self._body_refused(candidate.provider.name, candidate.model.name):
                 continue
             last = index + 1 == len(candidates)
-            response = await self._candidate(candidate, last, skip_models)
+            response = await self._candidate(candidate, last)
             if response is not None:
                 self._note_refused(candidates[index + 1 :])
                 return response
@@ -145,20 +141,21 @@ class Exchange:
                 return response
         raise exhausted(self.chat, candidates, self.failures, self.decision)
 
-    async def _candidate(
-        self, candidate: Candidate, last: bool, skip_models: set[str]
-    ) -> web.StreamResponse | None:
+    async def _candidate(self, candidate: Candidate, last: bool) -> web.StreamResponse | None:
         """Attempts at one candidate while its model has attempts left (SPEC E5): again
         after a transient failure (on an aggregator, avoiding the machine that failed), after
-        a 429's Retry-After when it fits the patience; a 400 is never resent unchanged."""
-        avoid: list[str] = []
+        a 429's Retry-After when it fits the patience; a 400 is never resent unchanged.
+        Every machine the request remembers is avoided, except the one a retry goes back
+        to after a transient fault (SPEC B9)."""
         model = candidate.model.name
         key = (candidate.provider.name, model)
+        retrying: MachineKey | None = None
         while True:
             if self._out_of_time() or self._model_spent(key):
                 why = self._stop_reason() if self._out_of_time() else "attempts per model spent"
                 self.decision.skip(candidate.provider.name, model, None, why)
                 return None
+            avoid = self.memory.avoided(candidate.provider.name, model, retrying=retrying)
             attempt = self._admit(candidate, avoid)
             if attempt is None:
                 return None
@@ -170,39 +167,48 @@ class Exchange:
             failure = self.failures[-1]
             fault = _request_fault(failure)
             if fault is RequestFault.CONTEXT_LENGTH:
-                skip_models.add(model)
-                return None
+                return None  # remembered: no candidate of this model is sent it again
             if fault is not None:
                 # About the request, not the machine: the caller gets it back.
                 raise rejected(failure, fault)
-            if not await self._again(candidate, failure, avoid):
+            again = await self._again(candidate, failure)
+            if again is None:
                 return None
+            retrying = again.back_to
 
-    async def _again(self, candidate: Candidate, failure: ArmEnd, avoid: list[str]) -> bool:
-        """Whether the same candidate is tried again, after the pause that calls for."""
+    async def _again(self, candidate: Candidate, failure: ArmEnd) -> Retry | None:
+        """Whether the same candidate is tried again, after the pause that calls for (None:
+        it is not), and whether that retry may go back to the machine that failed."""
         if self._model_spent((candidate.provider.name, candidate.model.name)):
-            return False
+            return None
         if self._out_of_time():
-            return False
+            return None
+        failed = _key_of(failure)
         wait = failure.retry_after
-        others = candidate.is_aggregator and bool(
-            set(candidate.machine_names()) - {*avoid, failure.machine}
-        )
-        if failure.status == 429 and not others:
+        if failure.status == 429 and not self._others(candidate):
             # Nothing else serves this model here: its Retry-After is honoured, when the
             # wait fits what is left of the patience.
             if wait is None or self.services.now() + wait >= self.deadline:
-                return False
+                return None
             # (A hair past it: the breaker's exclusion for the 429 ends exactly then.)
             await asyncio.sleep(wait + RETRY_AFTER_MARGIN)
             self.paused_after = len(self.failures)
-            return True
+            return Retry(back_to=failed)
         if candidate.is_aggregator and failure.machine:
-            avoid.append(failure.machine)  # another machine of the same model
-        elif failure.cause not in _TRANSIENT:
-            return False  # nothing narrower to avoid: the next candidate
+            await self._backoff()
+            return Retry(back_to=None)  # another machine of the same model
+        if failure.cause not in TRANSIENT:
+            return None  # nothing narrower to avoid: the next candidate
         await self._backoff()
-        return True
+        return Retry(back_to=failed)  # a direct provider's one machine, after a blip
+
+    def _others(self, candidate: Candidate) -> bool:
+        """An aggregator candidate has machines on its sheet this request has not left."""
+        if not candidate.is_aggregator:
+            return False
+        provider, model = candidate.provider.name, candidate.model.name
+        left = {key.machine for key in self.memory.avoided(provider, model)}
+        return bool(set(candidate.machine_names()) - left)
 
     def _final(self, attempt: Attempt) -> bool:
         """No other attempt at this candidate could follow this one if it goes silent: its
@@ -235,6 +241,20 @@ class Exchange:
             if refused is not None:
                 self.decision.skip(provider, model, None, refused.describe())
 
+    def _body_refused(self, provider: str, model: str, *, continuation: bool = False) -> bool:
+        """The model refused this request's body as a request fault: it is not sent it again
+        (on the decision, with why)."""
+        fault = self.memory.body_refused(model, continuation=continuation)
+        if fault is None:
+            return False
+        why = (
+            "the model's context is too small"
+            if fault is RequestFault.CONTEXT_LENGTH
+            else f"the model refused this request ({fault.value})"
+        )
+        self.decision.skip(provider, model, None, why)
+        return True
+
     def _out_of_time(self) -> bool:
         return (
             self.deadline - self.services.now() <= 0
@@ -248,7 +268,7 @@ class Exchange:
 
     # -- admission --------------------------------------------------------------------
 
-    def _admit(self, candidate: Candidate, avoid: list[str]) -> Attempt | None:
+    def _admit(self, candidate: Candidate, avoid: Collection[MachineKey]) -> Attempt | None:
         services, decision = self.services, self.decision
         provider, model = candidate.provider.name, candidate.model.name
         choice = services.chooser.choose(
@@ -317,12 +337,30 @@ class Exchange:
         self.decision.skip(attempt.provider.name, attempt.model.name, None, refusal.reason)
         return None
 
-    def onward(self, provider_name: str, model_name: str, machine: str) -> Attempt | None:
-        """An attempt aimed at exactly one machine (a race's rival, a continuation),
-        admitted by the breakers like any other."""
+    def onward(
+        self,
+        provider_name: str,
+        model_name: str,
+        machine: str,
+        *,
+        continuation: bool = False,
+        retry: bool = False,
+    ) -> Attempt | None:
+        """An attempt aimed at exactly one machine (a race's rival, a move, a rescue),
+        admitted by the breakers like any other; never one this request remembers, nor a
+        model that refused the body it would be sent (`continuation`: the request plus
+        the text delivered, a different body). `retry`: the machine may be one whose only
+        mark is a transient fault (SPEC B9's exception)."""
         provider = self.config.provider(provider_name)
         model = provider.model(model_name) if provider is not None else None
         if provider is None or model is None:
+            return None
+        key = MachineKey(provider_name, model_name, machine)
+        why = self.memory.why(key)
+        if why is not None and not (retry and self.memory.retriable(key)):
+            self.decision.skip(provider_name, model_name, machine, why.value)
+            return None
+        if self._body_refused(provider_name, model_name, continuation=continuation):
             return None
         routing = MachineRouting.only(machine) if routes_machines(provider) else None
         return self._admitted(Attempt(provider, model, routing))
@@ -388,11 +426,14 @@ class Exchange:
 
     # -- bookkeeping ------------------------------------------------------------------
 
-    def record(self, end: ArmEnd) -> None:
+    def record(self, end: ArmEnd, *, continuation: bool = False) -> None:
+        """An arm's end, recorded and remembered (`continuation`: it was sent the request
+        plus the text delivered, not the request's own body)."""
+        self.memory.note(end, continuation=continuation)
         self.services.recorder.record(end, self.decision, self.chat.role.patience_seconds)
 
-    def fail(self, end: ArmEnd) -> None:
-        self.record(end)
+    def fail(self, end: ArmEnd, *, continuation: bool = False) -> None:
+        self.record(end, continuation=continuation)
         self.failures.append(end)
 
     def served(self, end: ArmEnd, *, recorded: bool = False) -> None:
@@ -423,9 +464,11 @@ class Exchange:
         machines refused only for patience (a slow answer beats none); machines under a
         hard exclusion are never sent to."""
         services = self.services
+        candidates = [c for c in candidates if self.memory.body_refused(c.model.name) is None]
         plan = services.chooser.plan(
-            self.chat.role, candidates, services.breakers.exclusion, services.now()
-        )
+            self.chat.role, candidates, services.breakers.exclusion, services.now(),
+            avoid=self.memory.all_avoided(),
+        )  # fmt: skip
         if self.chat.role.effective_ruling is Ruling.ONLY:
             # `Only` demands the admitted set: a pool too slow is a refusal, at once (B4).
             error = refused_for_patience(self.chat, plan, self.decision)
@@ -444,6 +487,17 @@ class Exchange:
                     return None
                 return await self._try(attempt, self.deadline - services.now())
         return None
+
+
+class Retry(NamedTuple):
+    """Another attempt at the same candidate; `back_to`: the machine that failed, which
+    it may go back to (its fault was transient and nothing narrower is left, SPEC B9)."""
+
+    back_to: MachineKey | None
+
+
+def _key_of(end: ArmEnd) -> MachineKey | None:
+    return None if end.machine is None else MachineKey(end.provider, end.model, end.machine)
 
 
 def _request_fault(end: ArmEnd) -> RequestFault | None:

@@ -10,6 +10,12 @@ the first of: the answer's `[DONE]` (the client then has the complete answer and
 more is read), a break (cut, silence, an error event), a rate act that can move the
 stream, or the client leaving (`ClientGone`, raised by the client stream).
 
+The relay keeps the stream's own time: the wall clock less what a slow client held it
+and less our own pauses (`paused`: the stream left unread while another machine is tried
+to take it over). Neither is the machine's silence, a gap of its own, or a stall; both
+are left out of the arm's time (`Watch.client_held`, which becomes `ArmEnd.client_held`).
+A rate act on an answer already complete (its final chunk read) moves nothing.
+
 A continuation's events pass its seam with what the client has (`seam.py`): the few that
 change there are the provider's events with only that changed (its reader's `rewrite`),
 every other one is the upstream's own bytes; what rolegate adds of its own (a finish at
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import chain
@@ -234,6 +241,10 @@ class _Alarm:
         """The read is over, however it ended."""
         self._due = math.inf
 
+    def serves(self, task: asyncio.Task[object] | None) -> bool:
+        """Whether it interrupts `task`'s reads (a relay run in another task needs its own)."""
+        return self._task is task
+
     def rang(self) -> bool:
         """Whether the cancellation a read ended in was this alarm ringing (it is withdrawn
         then); False: it came from elsewhere (too), and stands."""
@@ -293,19 +304,43 @@ class Relay:
     _alarm: _Alarm | None = None
     # The client's holding before this relay began (`ClientStream.client_held`).
     _held_before: float = field(init=False)
+    # Our own pauses of this stream (`paused`).
+    _paused: _Paused = field(init=False)
     # The stream's own time (`_stream_clock`).
     _now: Clock = field(init=False)
 
     def __post_init__(self) -> None:
         self._held_before = self.client.client_held
-        self._now = _stream_clock(self.clock, self.client)
+        self._paused = _Paused()
+        self._now = _stream_clock(self.clock, self.client, self._paused)
 
     async def run(self) -> Stop:
         """Forward until the answer is complete, the stream breaks, or it should move."""
+        alarm = self._alarm
+        if alarm is not None and not alarm.serves(asyncio.current_task()):
+            # Run in another task than before (beside a race): an alarm of its own.
+            alarm.stop()
+            self._alarm = None
         try:
             return await self._relayed()
         finally:
-            self.watch.client_held = self.client.client_held - self._held_before
+            self._held()
+
+    def _held(self) -> None:
+        """The watch is told the seconds this stream was held from outside the machine (a
+        slow client, our pauses): the arm's time leaves them out."""
+        self.watch.client_held = self.client.client_held - self._held_before + self._paused.seconds
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The stream is left unread meanwhile, on our account (another machine is tried
+        to take it over): that time is neither its silence nor a gap of its own."""
+        began = self.clock()
+        try:
+            yield
+        finally:
+            self._paused.seconds += max(self.clock() - began, 0.0)
+            self._held()
 
     async def _relayed(self) -> Stop:
         if self._content_at is None:  # (a kept stream resumes with its own)
@@ -391,7 +426,13 @@ class Relay:
     def _acted(self, act: Act | None) -> Stop | None:
         if act is None:
             return None
-        if self.may_move and act.movable and act.alternative is not None:
+        if (
+            self.may_move
+            and act.movable
+            and act.alternative is not None
+            # Its final chunk read, the answer is complete: nothing is left to move.
+            and self.client.delivered.finish_reason is None
+        ):
             return Stop(StopKind.MOVE, Cause.MOVED, act=act)
         self.kept.append(act)
         return None
@@ -527,16 +568,25 @@ class Relay:
         return None if first else self._acted(self.watch.observe(now, tokens=tokens))
 
 
-def _stream_clock(clock: Clock, client: ClientStream) -> Clock:
+class _Paused:
+    """Seconds a relay's stream was left unread on our account (`Relay.paused`)."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
+def _stream_clock(clock: Clock, client: ClientStream, paused: _Paused) -> Clock:
     """A stream's own time: `clock` less what its client held it from now on (a slow
     reader stops the upstream by back-pressure; that wait is neither a silence nor a gap
-    of the machine's, and no patience of the caller's is spent on it). A closure, not a
-    method: the relay's alarm keeps it, and a bound method would tie the relay into a
-    cycle that only the cycle collector frees, buffers and all."""
+    of the machine's, and no patience of the caller's is spent on it), and less our own
+    pauses of it. A closure, not a method: the relay's alarm keeps it, and a bound method
+    would tie the relay into a cycle that only the cycle collector frees, buffers and all."""
     held_before = client.client_held
 
     def now() -> float:
-        return clock() - (client.client_held - held_before)
+        return clock() - (client.client_held - held_before) - paused.seconds
 
     return now
 

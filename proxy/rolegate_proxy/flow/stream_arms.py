@@ -21,6 +21,7 @@ from ..core.watch import Watch
 from ..wire.chat_request import ChatRequest
 from .arms import ArmRun, StreamHooks, open_stream
 from .client_stream import ClientStream
+from .memory import RequestMemory
 from .services import Services
 from .stream import OpenedStream
 from .upstream import Silence
@@ -46,13 +47,24 @@ class Host(Protocol):
     @property
     def deadline(self) -> float: ...
 
+    @property
+    def memory(self) -> RequestMemory: ...
+
     def client_stream(self) -> ClientStream: ...
 
-    def onward(self, provider: str, model: str, machine: str) -> Attempt | None: ...
+    def onward(
+        self,
+        provider: str,
+        model: str,
+        machine: str,
+        *,
+        continuation: bool = False,
+        retry: bool = False,
+    ) -> Attempt | None: ...
 
-    def record(self, end: ArmEnd) -> None: ...
+    def record(self, end: ArmEnd, *, continuation: bool = False) -> None: ...
 
-    def fail(self, end: ArmEnd) -> None: ...
+    def fail(self, end: ArmEnd, *, continuation: bool = False) -> None: ...
 
     def served(self, end: ArmEnd, *, recorded: bool = False) -> None: ...
 
@@ -86,12 +98,39 @@ class StreamArms:
         return services.chooser.plan(chat.role, candidates, services.breakers.exclusion, self.now())
 
     def frontier(self) -> tuple[Alternative, ...]:
-        """What the rate test compares the serving machine with, as the chooser keeps it."""
+        """What the rate test compares the serving machine with: the chooser's frontier
+        (kept per role) while this request has left no machine; once it has, the plan's
+        with those machines avoided (SPEC B9: never moved or raced back to a machine it
+        left; the kept frontier, cut to what wins with any one machine left out, could
+        miss the machine that wins with two left out). Either way without the models that
+        refused this request's body for its length."""
         services, chat = self.services, self.host.chat
         candidates = services.candidates(chat.role, self.host.config)
-        return services.chooser.frontier(
-            chat.role, candidates, services.breakers.exclusion, self.now()
+        memory = self.host.memory
+        if not memory.machines and not memory.bodies:
+            return services.chooser.frontier(
+                chat.role, candidates, services.breakers.exclusion, self.now()
+            )
+        plan = services.chooser.plan(
+            chat.role, candidates, services.breakers.exclusion, self.now(),
+            avoid=memory.all_avoided(),
+        )  # fmt: skip
+        return tuple(
+            alternative
+            for alternative in plan.frontier()
+            if memory.body_refused(alternative.key.model, continuation=True) is None
         )
+
+    def forget_left(self, watch: Watch) -> None:
+        """A watch made before this request left some machines (a race's loser is known
+        only once the race is over): its frontier is made again without them."""
+        memory = self.host.memory
+        serving = watch.serving
+        if serving is None or not any(memory.why(a.key) for a in watch.frontier):
+            return
+        watch.frontier = self.frontier()
+        # (Its alternatives are sorted again as when the machine serving is named.)
+        watch.identify(serving, watch.belief)
 
     def run(
         self, attempt: Attempt, budget: float, act: ArmAct | None = None, delivered: int = 0
