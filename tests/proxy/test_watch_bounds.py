@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rolegate_policy.config import CompiledRole
 from rolegate_policy.enums import Ruling, Visibility
 from rolegate_proxy.core.beliefs import LogNormal, MachineBelief, MachineKey, Source
-from rolegate_proxy.core.chooser import Alternative
+from rolegate_proxy.core.choice import Alternative
 from rolegate_proxy.core.watch import ActReason, Watch, WatchSettings
 
 AGG, MODEL = "agg", "vendor/model"

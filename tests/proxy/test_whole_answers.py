@@ -24,7 +24,7 @@ from rolegate_proxy.core.beliefs import (
     MachineKey,
     Sighting,
 )
-from rolegate_proxy.core.chooser import Alternative
+from rolegate_proxy.core.choice import Alternative
 from rolegate_proxy.core.fleet import PodMemory
 from rolegate_proxy.core.watch import Watch
 from rolegate_proxy.wire.pod_memory import MemoryFormatError, decode, encode
