@@ -238,8 +238,10 @@ def _route(
 async def _serve(
     request: web.Request, state: SimState, record: RequestRecord
 ) -> web.StreamResponse:
+    raw = await request.read()
+    record.body_sha256 = hashlib.sha256(raw).hexdigest()[:16]
     try:
-        chat = parse_chat_request(await request.read())
+        chat = parse_chat_request(raw)
     except BadRequest as exc:
         return await _error(request, state, record, 400, str(exc), "invalid_request_error")
     record.model = chat.model
@@ -300,10 +302,16 @@ async def _serve(
         close_connection(request)
         await await_cancellation()
 
-    plan = _plan(state, model, routed, chat, record, fault, calls)
-    if chat.stream:
-        return await send_stream(request, plan, record)
-    return await send_completion(request, plan, record)
+    # Only an answer takes a slot: the refusals above come at once, as a server's do.
+    queued_at = time.monotonic()
+    record.queued_behind = machine.slots.ahead
+    async with machine.slots.held():
+        record.queued_seconds = time.monotonic() - queued_at
+        # Planned once the slot is ours: the TTFT and pacing start when generation does.
+        plan = _plan(state, model, routed, chat, record, fault, calls)
+        if chat.stream:
+            return await send_stream(request, plan, record)
+        return await send_completion(request, plan, record)
 
 
 def _plan(

@@ -22,6 +22,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/_sim/requests", list_requests)
     app.router.add_post("/_sim/reset", reset)
+    app.router.add_get("/_sim/machines", list_machines)
     faults_path = "/_sim/machines/{model:.+}/{machine}/faults"
     app.router.add_get(faults_path, get_faults)
     app.router.add_put(faults_path, put_faults)
@@ -58,6 +59,18 @@ async def list_requests(request: web.Request) -> web.Response:
     except ValueError:
         return _problem(400, f"`since` must be an integer sequence number, got {since_text!r}")
     return _json(request.app[SIM_STATE].records_since(since))
+
+
+async def list_machines(request: web.Request) -> web.Response:
+    """Every machine's request counter and queue: answers in progress, requests waiting."""
+    state = request.app[SIM_STATE]
+    return _json(
+        [
+            machine.to_json()
+            for model in state.models.values()
+            for machine in model.machines.values()
+        ]
+    )
 
 
 async def reset(request: web.Request) -> web.Response:

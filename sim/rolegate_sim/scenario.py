@@ -316,6 +316,9 @@ class MachineSpec(_Frozen):
     # Continuing a prefill, it thinks again first, as a reasoning model given a partial
     # answer may: its reasoning comes before the rest of the reply.
     reasons_again: bool = False
+    # How many answers the machine produces at once (a single-slot llama.cpp server: 1);
+    # the rest wait in arrival order before their first byte. None: no limit.
+    slots: Annotated[int, Field(ge=1)] | None = None
     faults: tuple[Fault, ...] = ()
 
 

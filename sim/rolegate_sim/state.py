@@ -19,6 +19,7 @@ from typing import Any
 
 from rolegate_sim.faults import needs_rng
 from rolegate_sim.scenario import Fault, MachineSpec, ModelSpec, Scenario
+from rolegate_sim.slots import Slots
 from rolegate_sim.text import encode_json_string, tokenize
 
 
@@ -72,6 +73,14 @@ class RequestRecord:
     bearer_sha256: str | None = None
     # The W3C trace context the client sent, if any: a test checks whether it was passed on.
     traceparent: str | None = None
+    # A fingerprint of the request body (first 16 hex digits of its SHA-256): two records
+    # with the same one were sent the identical request, without the prompt being stored.
+    body_sha256: str | None = None
+    # How long it waited for one of its machine's slots before its answer began.
+    queued_seconds: float = 0.0
+    # How many requests were ahead of it on its machine (answering or queued) when it
+    # asked for a slot; 0 when it was served at once.
+    queued_behind: int = 0
 
     def finish(self, outcome: Outcome) -> None:
         # The first outcome wins: after a deliberate cut or reset the handler is cancelled
@@ -105,6 +114,9 @@ class RequestRecord:
             "tool_calls_sent": self.tool_calls_sent,
             "bearer_sha256": self.bearer_sha256,
             "traceparent": self.traceparent,
+            "body_sha256": self.body_sha256,
+            "queued_seconds": self.queued_seconds,
+            "queued_behind": self.queued_behind,
             "started_at": self.started_at,
             "arrived_monotonic": self.arrived_monotonic,
             "ended_at": self.ended_at,
@@ -119,6 +131,7 @@ class MachineState:
         "name",
         "name_json",
         "requests",
+        "slots",
         "spec",
         "uses_rng",
     )
@@ -129,6 +142,7 @@ class MachineState:
         self.name = spec.name
         self.name_json = encode_json_string(spec.name)
         self.requests = 0
+        self.slots = Slots(spec.slots)
         self.faults: tuple[Fault, ...] = ()
         self.faults_since = time.monotonic()
         self.uses_rng = False
@@ -147,6 +161,17 @@ class MachineState:
     def next_request_number(self) -> int:
         self.requests += 1
         return self.requests
+
+    def to_json(self) -> dict[str, Any]:
+        """What the control API shows of the machine: its counter and its queue."""
+        return {
+            "model": self.model,
+            "machine": self.name,
+            "requests": self.requests,
+            "slots": self.slots.limit,
+            "busy": self.slots.busy,
+            "waiting": self.slots.waiting,
+        }
 
 
 class ModelState:
