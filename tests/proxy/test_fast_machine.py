@@ -159,3 +159,44 @@ async def test_concurrent_requests_spread_over_equal_providers_of_a_model(
     async with httpx.AsyncClient() as client:
         await _stream_all(client, proxy.url, 4)
     assert (len(await sim_records(first.url)), len(await sim_records(second.url))) == (2, 2)
+
+
+async def _ask_concurrently(client: httpx.AsyncClient, proxy_url: str, asks: list[Any]) -> None:
+    async def one(ask: Any) -> None:
+        response = await client.post(f"{proxy_url}/v1/chat/completions", json=ask, timeout=30)
+        assert response.status_code == 200, response.text
+
+    await asyncio.gather(*(one(ask) for ask in asks))
+
+
+async def test_a_machine_s_concurrency_is_learned_from_its_first_tokens_under_load(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    """Unpublished, `big` (three slots) and `small` (one) are both taken to serve one at a
+    time; what their first tokens show under load teaches three and one, and from then on
+    four concurrent requests put three on `big` and the fourth on `small`."""
+    truth = [
+        {"name": "big", "ttftSeconds": 0.05, "tokensPerSecond": 30, "slots": 3},
+        {"name": "small", "ttftSeconds": 0.05, "tokensPerSecond": 30, "slots": 1},
+    ]
+    sheet = [{"name": m["name"], "ttftSeconds": 0.05, "tokensPerSecond": 30} for m in truth]
+    sim = await sim_server({"seed": 5, "models": [{"name": MODEL, "reply": REPLY,
+                                                   "machines": truth}]})  # fmt: skip
+    proxy = await proxy_server([machine_policy(sim.url, MODEL, sheet), AGENT])
+
+    def only(machine: str) -> dict[str, Any]:
+        return {**ASK, "provider": {"only": [machine]}}
+
+    async with httpx.AsyncClient() as client:
+        # Each alone first (the unloaded first token), then each under load.
+        for machine in ("big", "small"):
+            await _ask_concurrently(client, proxy.url, [only(machine)])
+        await _ask_concurrently(client, proxy.url, [only("big")] * 4)
+        await _ask_concurrently(client, proxy.url, [only("small")] * 2)
+        load = (await client.get(f"{proxy.url}/v1/rolegate/state")).json()["load"]
+        learned = {row["machine"]: row["learned_concurrency"] for row in load}
+        assert learned == {"big": 3, "small": 1}
+        before = len(await sim_records(sim.url))
+        await _ask_concurrently(client, proxy.url, [ASK] * 4)
+    served = Counter(r["machine"] for r in (await sim_records(sim.url))[before:])
+    assert served == {"big": 3, "small": 1}
