@@ -367,6 +367,21 @@ def test_a_late_first_token_starts_a_race_with_the_alternative() -> None:
     assert tick_until(w, 120.0) is None  # one act per reason
 
 
+def test_a_narrow_belief_does_not_promise_an_overdue_first_token_any_moment() -> None:
+    """Twenty first tokens at 0.2 s make a narrow belief; on it, a token not come after a
+    second is expected within milliseconds, so waiting always looked better than an
+    alternative 0.8 s away (the fault sequence's silent primary raced only at 2.7 s). Past
+    the late point an arm is expected to take at least as long again as it is overdue."""
+    book = ledger(("steady", 0.2, 100.0), ("other", 0.2, 100.0))
+    for i in range(20):
+        book.note(Sighting(AGG, MODEL, "steady", float(i), ttft=0.2))
+    w = watch(book, "steady", ["other"], now=20.0, patience=300.0)
+    act = tick_until(w, 30.0, step=0.05)
+    assert act is not None
+    assert act.reason is ActReason.TTFT
+    assert act.waited < 1.0
+
+
 def test_a_late_first_token_with_nothing_better_waits_for_the_patience() -> None:
     book = ledger(*SEED)
     alone = watch(book, "deepinfra", [], patience=30.0)

@@ -454,7 +454,16 @@ class Watch:
             late_at = self.sent_at + settings.tolerance * alternative.expected_ttft
         ceiling = min(late_at, self.deadline - rest * gap)
         waited = max(now - self.sent_at, 0.0)
-        residual = ttft_belief.residual(waited) if ttft_belief is not None else waited
+        if ttft_belief is None:
+            residual = waited
+        else:
+            residual = ttft_belief.residual(waited)
+            if now >= late_at:
+                # Past the late point the belief no longer describes this arm (a queue, a
+                # stuck machine). On a narrow belief its residual stays tiny however long
+                # the wait, promising the token any moment: the narrower the belief, the
+                # longer an arm would wait. Expect at least as long again as it is overdue.
+                residual = max(residual, waited - ttft_belief.mean())
         keep = residual + rest * gap
         move = alternative.expected_seconds(rest)
         if move < keep:
