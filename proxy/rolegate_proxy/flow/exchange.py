@@ -19,7 +19,7 @@ Streamed arms are served by `serving.StreamServer`.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Collection, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, TypeVar
 
@@ -30,15 +30,14 @@ from rolegate_policy.enums import Delivery, Ruling
 
 from ..core.arm_end import Answered, ArmEnd, Cause, RequestFault
 from ..core.beliefs import MachineKey
-from ..core.breaker import Admission
 from ..core.decisions import Decision
 from ..core.routing import Attempt, Candidate, MachineRouting, routes_machines
-from ..wire.aggregator import CallerRefusal, merge
 from ..wire.chat_request import ChatRequest
 from ..wire.errors import ProxyError
 from .arms import ArmRun, Reply, complete, reply_response, verdict_on
 from .client_stream import ClientStream
 from .failures import exhausted, refused_for_patience, rejected
+from .gate import Gate
 from .memory import TRANSIENT, RequestMemory
 from .services import Services, served_headers
 from .serving import StreamServer
@@ -64,7 +63,8 @@ class Exchange:
     failures: list[ArmEnd] = field(default_factory=list)
     # What this request saw of its machines and models: never chosen again (SPEC B9).
     memory: RequestMemory = field(default_factory=RequestMemory)
-    probes: list[Admission] = field(default_factory=list)
+    # The chooser's and the breakers' word on each attempt, and the probes it holds.
+    gate: Gate = field(init=False)
     # Attempts made, in all and per model on a provider (SPEC E5: the role's retry settings).
     attempts: int = 0
     per_model: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -72,6 +72,9 @@ class Exchange:
     # How many failures there were at the last backoff: one pause per failure, however
     # the retry loops meet (a candidate's last try, then the next candidate).
     paused_after: int = 0
+
+    def __post_init__(self) -> None:
+        self.gate = Gate(self.services, self.chat, self.decision)
 
     def client_stream(self) -> ClientStream:
         """The client's stream, made when the first streamed arm commits to it (a buffered
@@ -108,7 +111,7 @@ class Exchange:
                 self.client.close()
             # A probe whose arm ended without a conclusive answer (cancelled, crashed, the
             # client gone) is given back, so the next request can probe.
-            for admission in self.probes:
+            for admission in self.gate.probes:
                 self.services.breakers.release(admission)
 
     async def _serve(self) -> web.StreamResponse:
@@ -156,7 +159,7 @@ class Exchange:
                 self.decision.skip(candidate.provider.name, model, None, why)
                 return None
             avoid = self.memory.avoided(candidate.provider.name, model, retrying=retrying)
-            attempt = self._admit(candidate, avoid)
+            attempt = self.gate.choose(candidate, avoid)
             if attempt is None:
                 return None
             self.attempts += 1
@@ -268,75 +271,6 @@ class Exchange:
 
     # -- admission --------------------------------------------------------------------
 
-    def _admit(self, candidate: Candidate, avoid: Collection[MachineKey]) -> Attempt | None:
-        services, decision = self.services, self.decision
-        provider, model = candidate.provider.name, candidate.model.name
-        choice = services.chooser.choose(
-            self.chat.role, candidate, services.breakers.exclusion, services.now(),
-            avoid=avoid, prompt_tokens=self.chat.prompt_tokens,
-        )  # fmt: skip
-        for fate in (f for f in choice.fates if not f.admitted):
-            machine = fate.machine if candidate.is_aggregator else None
-            decision.skip(provider, model, machine, f"{fate.reason}: {fate.detail}")
-        if not choice.sendable:
-            # Never an empty `only`, never an order of nobody: the candidate is skipped.
-            decision.skip(provider, model, None, choice.skip_reason or "no machine admitted")
-            return None
-        return self._admitted(Attempt(candidate.provider, candidate.model, choice.routing))
-
-    def _admitted(self, attempt: Attempt) -> Attempt | None:
-        """The caller's narrowing, then the breakers' word at the moment of sending; probes
-        taken are held."""
-        asked = self._as_the_caller_asks(attempt)
-        if asked is None:
-            return None
-        attempt = asked
-        routing = attempt.routing
-        machines = () if routing is None else routing.machines
-        admission = self.services.breakers.admit_attempt(
-            attempt.provider.name, attempt.model.name, machines, self.services.now()
-        )
-        self.services.recorder.transitions(admission.transitions)
-        if admission.probes:
-            self.probes.append(admission)
-        if not admission.allowed:
-            why = admission.exclusion.describe() if admission.exclusion else (
-                "every machine's re-probe is in flight"
-            )  # fmt: skip
-            self.decision.skip(attempt.provider.name, attempt.model.name, None, why)
-            return None
-        if routing is None or not admission.refused:
-            return attempt
-        for machine in admission.refused:
-            self.decision.skip(
-                attempt.provider.name, attempt.model.name, machine, "a re-probe is in flight"
-            )
-        kept = tuple(m for m in routing.machines if m not in admission.refused)
-        narrowed = MachineRouting(routing.kind, kept, (*routing.ignore, *admission.refused))
-        return Attempt(attempt.provider, attempt.model, narrowed)
-
-    def _as_the_caller_asks(self, attempt: Attempt) -> Attempt | None:
-        """The attempt's machines narrowed by the caller's `provider.only`/`ignore` (SPEC
-        F3); when none is left the candidate is skipped, as a role's `Only` with no machine
-        is. A direct provider's one machine is narrowed by name like any other."""
-        caller = self.chat.caller
-        if not caller.narrows_machines:
-            return attempt
-        refusal: CallerRefusal | None = None
-        if attempt.routing is not None:
-            merged = merge(attempt.routing, caller)
-            if isinstance(merged, CallerRefusal):
-                refusal = merged
-            else:
-                attempt = Attempt(attempt.provider, attempt.model, merged.routing)
-        elif attempt.single_machine is not None and not caller.admits(attempt.single_machine):
-            field = "provider.only" if caller.only is not None else "provider.ignore"
-            refusal = CallerRefusal(f"the caller's {field} leaves out this provider's machine")
-        if refusal is None:
-            return attempt
-        self.decision.skip(attempt.provider.name, attempt.model.name, None, refusal.reason)
-        return None
-
     def onward(
         self,
         provider_name: str,
@@ -363,7 +297,7 @@ class Exchange:
         if self._body_refused(provider_name, model_name, continuation=continuation):
             return None
         routing = MachineRouting.only(machine) if routes_machines(provider) else None
-        return self._admitted(Attempt(provider, model, routing))
+        return self.gate.admitted(Attempt(provider, model, routing))
 
     # -- one arm ----------------------------------------------------------------------
 
@@ -480,7 +414,7 @@ class Exchange:
             return None
         for candidate in candidates:
             if (candidate.provider.name, candidate.model.name) == (resort.provider, resort.model):
-                attempt = self._admitted(
+                attempt = self.gate.admitted(
                     Attempt(candidate.provider, candidate.model, resort.routing)
                 )
                 if attempt is None:
