@@ -172,10 +172,11 @@ CASES: tuple[Case, ...] = (
         expect=_expect(1, 0, 1.0),
     ),
     # The fallback refuses the prefill: the primary, which continues, finishes the answer
-    # (Watched); buffered, the fallback may answer afresh.
+    # (Watched); buffered, the fallback may answer afresh: asked twice, the continuation it
+    # refused and then the plain request (two bodies, neither resent).
     Case("stream cut, fallback refuses the prefill", [once("cut", afterTokens=40)],
          [always("refusePrefill")], continues=(True, True),
-         expect=_expect(2, 1, 3.0, PRIMARY_CONTINUING, FALLBACK)),
+         expect=_expect(2, 2, 3.0, PRIMARY_CONTINUING, FALLBACK)),
     Case("503 forever, usage accounting", [always("serverError", status=503)],
          expect=_expect(2, 1, 2.5, FALLBACK)),
 )  # fmt: skip

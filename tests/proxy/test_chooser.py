@@ -818,8 +818,9 @@ def test_exploration_observes_the_least_evidence_first_then_the_longest_unobserv
     """Exact, over 1,000 seeded decisions with an exploration share of 0.2. A best machine,
     a demoted one (half failures) and an untried one published slowest: every explored
     lead is the untried one. Once both others have full records, the explored lead is the
-    one observed longest ago; observe it, and the turn passes to the other."""
-    machines: Machines = (("best", 0.5, 120.0), ("demoted", 0.5, 120.0), ("untried", 3.0, 30.0))
+    one observed longest ago; observe it, and the turn passes to the other. (The untried
+    one is published a little slower, not far slower: see the next test.)"""
+    machines: Machines = (("best", 0.5, 120.0), ("demoted", 0.5, 120.0), ("untried", 0.6, 100.0))
     config, _, chooser = setup(provider(AGG, {CODER: machines}))
     _record(chooser, _coder("best"), [True] * 60)
     _record(chooser, _coder("demoted"), [True, False] * 30)
@@ -842,6 +843,26 @@ def test_exploration_observes_the_least_evidence_first_then_the_longest_unobserv
     assert set(explored(200)) == {"demoted"}  # last observed at 59, the untried at 159
     _record(chooser, _coder("demoted"), [False], start=200.0)
     assert set(explored(200)) == {"untried"}
+
+
+def test_a_machine_seen_far_slower_is_not_explored_but_an_untried_one_published_so_is() -> None:
+    """Exploration keeps a machine's score current; a machine seen to be far slower than
+    one of equal quality gets no traffic for that (B3, B8: it never leads). Untried and
+    only published slow, it is explored, so figures that undersell it cannot starve it."""
+    machines: Machines = (("best", 0.5, 120.0), ("crawler", 3.0, 30.0))
+    config, _, chooser = setup(provider(AGG, {CODER: machines}))
+    _record(chooser, _coder("best"), [True] * 60)
+    explorer = role(explore=0.2)
+    cand = candidate(config, AGG, CODER)
+
+    def explored(decisions: int) -> int:
+        heads = [chooser.choose(explorer, cand, nothing_excluded, 0.0).fates[0]
+                 for _ in range(decisions)]  # fmt: skip
+        return sum(1 for head in heads if head.explored)
+
+    assert explored(500) > 50  # untried: about a fifth
+    _record(chooser, _coder("crawler"), [True] * 10, start=100.0)
+    assert explored(500) == 0
 
 
 def test_a_roles_exploration_share_overrides_the_proxys() -> None:

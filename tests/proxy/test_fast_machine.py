@@ -200,3 +200,22 @@ async def test_a_machine_s_concurrency_is_learned_from_its_first_tokens_under_lo
         await _ask_concurrently(client, proxy.url, [ASK] * 4)
     served = Counter(r["machine"] for r in (await sim_records(sim.url))[before:])
     assert served == {"big": 3, "small": 1}
+
+
+async def test_six_streams_on_two_single_slot_machines_spread_evenly_and_are_not_raced(
+    sim_server: SimFactory, proxy_server: ProxyFactory
+) -> None:
+    """The issue's llama.cpp case: two identical single-slot machines, one of them pinned by
+    a first answer. Six concurrent streams go three to each (the pin does not pile them on
+    one machine), and a stream waiting in a queue it was expected to wait in is not late:
+    no race sends a seventh request."""
+    truth = [{**machine, "slots": 1} for machine in EVEN]
+    sim = await sim_server({"seed": 5, "models": [{"name": MODEL, "reply": REPLY,
+                                                   "machines": truth}]})  # fmt: skip
+    proxy = await proxy_server([machine_policy(sim.url, MODEL, EVEN), AGENT])
+    async with httpx.AsyncClient() as client:
+        await _stream_all(client, proxy.url, 1)  # the pin, and beliefs from an answer
+        before = len(await sim_records(sim.url))
+        await _stream_all(client, proxy.url, 6)
+    served = Counter(r["machine"] for r in (await sim_records(sim.url))[before:])
+    assert served == {"L1": 3, "L2": 3}

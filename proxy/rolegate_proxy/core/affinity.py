@@ -61,12 +61,15 @@ def leads(fate: MachineFate) -> bool:
 
 
 def still_leads(ranked: Ranked, pinned: int | None, queued: list[MachineFate]) -> int | None:
-    """Where the pinned machine stands in the order its queue made, when it may still lead
-    there (a machine busy enough to be slow for now keeps the pin, without leading)."""
+    """Where the pinned machine stands in the order the queues made, when it may still
+    lead there; a busy one keeps the pin without leading while another is expected sooner
+    (SPEC B8: the pin must not pile requests onto one machine while an equal one has
+    room)."""
     if pinned is None:
         return None
     machine = ranked.admitted[pinned].machine
     for index, fate in enumerate(queued):
         if fate.machine == machine:
-            return index if leads(fate) else None
+            waits = fate.queue_seconds > 0 and index > 0
+            return index if leads(fate) and not waits else None
     return None

@@ -93,7 +93,7 @@ from .exclusions import (
 )
 from .field import least_observed, queued_order, score_field, with_queue
 from .load import Load
-from .ranking import rank
+from .ranking import Placed, rank
 from .routing import Candidate
 from .score import Scoreboard
 
@@ -443,8 +443,9 @@ class Chooser:
             fate.reason = AFFINITY
             order.insert(0, fate)
             pinned_name = fate.machine
-        if explore:
-            explored = copy.copy(order.pop(least_observed(self.scores, order)))
+        at = least_observed(self.scores, order, _slow) if explore else None
+        if at is not None:
+            explored = copy.copy(order.pop(at))
             explored.explored = True
             order.insert(0, explored)
             pinned_name = None
@@ -544,12 +545,12 @@ class Chooser:
                 by_key[head.key] = candidate
             # The heads are ranked against each other: shrunk towards their own field.
             score_field(self.scores, role, entries, None, prompt_tokens)
-            heads = [
-                place.entry
-                for place in rank(entries, role.quality_tolerance, self.draw, role.speed_tolerance)
-            ]
+            placed = rank(entries, role.quality_tolerance, self.draw, role.speed_tolerance)
+            heads = [place.entry for place in placed]
             if self._exploring(role, len(heads)):
-                heads.insert(0, heads.pop(least_observed(self.scores, heads)))
+                at = least_observed(self.scores, heads, _marked_slow(placed))
+                if at is not None:
+                    heads.insert(0, heads.pop(at))
             ordered.extend(by_key[head.key] for head in heads)
             ordered.extend(closed)
         return ordered
@@ -565,6 +566,17 @@ class Chooser:
 
 _NO_NAMES: Final[frozenset[str]] = frozenset()
 _REFUSAL_ORDER: Final = {Fate.EXCLUDED: 0, Fate.FAILED: 1, Fate.PATIENCE: 2, Fate.ADMITTED: 3}
+
+
+def _marked_slow(placed: Sequence[Placed[MachineFate]]) -> Callable[[MachineFate], bool]:
+    """Whether a head was marked slow when the heads were ranked against each other."""
+    slow = frozenset(place.entry.key for place in placed if place.slow)
+    return lambda fate: fate.key in slow
+
+
+def _slow(fate: MachineFate) -> bool:
+    placement = fate.placement
+    return placement is not None and placement[3]
 
 
 def _kept(made_at: float, until: float, unchanged: bool, now: float) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from rolegate_policy.config import CompiledMachine, CompiledRole
 
@@ -119,10 +119,16 @@ def with_queue(
     return queued
 
 
-def least_observed(scores: Scoreboard, ranked: Sequence[MachineFate]) -> int:
+def least_observed(
+    scores: Scoreboard, ranked: Sequence[MachineFate], slow: Callable[[MachineFate], bool]
+) -> int | None:
     """The position, other than the first, of the machine to explore: the least evidence
     (lowest confidence: an untried machine first), then the longest since it was last
-    observed (full-confidence machines take their turns), then the best ranked. Called
+    observed (full-confidence machines take their turns), then the best ranked; never one
+    the ranking marked `slow` that has a record (a machine seen to be far slower than one
+    of equal quality is not sent traffic to keep its score current: its belief drifting
+    back to its sheet brings it back; an untried one published slow is explored, so that
+    figures which undersell it cannot starve it). None: nothing may be explored. Called
     only for a decision that explores, on scored machines."""
     last_observed = scores.last_observed
 
@@ -132,4 +138,8 @@ def least_observed(scores: Scoreboard, ranked: Sequence[MachineFate]) -> int:
         seen = last_observed(fate.key)
         return (confidence, -math.inf if seen is None else seen, index)
 
-    return min(range(1, len(ranked)), key=evidence)
+    def known_slow(fate: MachineFate) -> bool:
+        return slow(fate) and fate.view is not None and fate.view.confidence > 0
+
+    eligible = [index for index in range(1, len(ranked)) if not known_slow(ranked[index])]
+    return min(eligible, key=evidence) if eligible else None

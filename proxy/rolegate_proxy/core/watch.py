@@ -252,6 +252,7 @@ class Watch:
         frontier: Sequence[Alternative] = (),
         streams_to_client: bool = True,
         delivered: int = 0,
+        queued: float = 0.0,
         settings: WatchSettings | None = None,
     ) -> None:
         self.settings = settings = settings or WatchSettings()
@@ -261,6 +262,9 @@ class Watch:
         self._upper, self._lower = settings.upper, settings.lower
         self._floor = max(1.0, math.ceil(self.expected_tokens * settings.tail_share))
         self.sent_at = sent_at
+        # When its machine is expected to start on it: after the wait in its queue (SPEC
+        # B8), which no first token could beat, so lateness is judged from here.
+        self.starts_at = sent_at + max(queued, 0.0)
         self.started_at = sent_at if started_at is None else started_at
         self.serving = serving
         self.belief = belief
@@ -449,11 +453,11 @@ class Watch:
         gap = self._serving_gap()
         gap = alternative.expected_gap if gap is None else gap
         if ttft_belief is not None:
-            late_at = self.sent_at + ttft_belief.upper(settings.late_z)
+            late_at = self.starts_at + ttft_belief.upper(settings.late_z)
         else:
-            late_at = self.sent_at + settings.tolerance * alternative.expected_ttft
+            late_at = self.starts_at + settings.tolerance * alternative.expected_ttft
         ceiling = min(late_at, self.deadline - rest * gap)
-        waited = max(now - self.sent_at, 0.0)
+        waited = max(now - self.starts_at, 0.0)
         if ttft_belief is None:
             residual = waited
         else:

@@ -395,7 +395,7 @@ class Delivery:
         broken = self.leg
         failed = self.arms.key(broken.run)
         memory = self.host.memory
-        avoid = {*memory.all_avoided(), *(() if failed is None else (failed,))}
+        avoid = {*memory.all_avoided(continuation=True), *(() if failed is None else (failed,))}
         plan = self.arms.plan()
         targets = plan.continuers(broken.run.attempt.model.name, avoid)
         if (

@@ -31,6 +31,7 @@ from rolegate_policy.enums import Delivery, Ruling
 from ..core.arm_end import Answered, ArmEnd, Cause, RequestFault
 from ..core.beliefs import MachineKey
 from ..core.decisions import Decision
+from ..core.outcomes import ArmAct
 from ..core.routing import Attempt, Candidate, MachineRouting, routes_machines
 from ..wire.chat_request import ChatRequest
 from ..wire.errors import ProxyError
@@ -290,7 +291,7 @@ class Exchange:
         if provider is None or model is None:
             return None
         key = MachineKey(provider_name, model_name, machine)
-        why = self.memory.why(key)
+        why = self.memory.why(key, continuation=continuation)
         if why is not None and not (retry and self.memory.retriable(key)):
             self.decision.skip(provider_name, model_name, machine, why.value)
             return None
@@ -435,4 +436,9 @@ def _key_of(end: ArmEnd) -> MachineKey | None:
 
 
 def _request_fault(end: ArmEnd) -> RequestFault | None:
-    return end.request_fault if end.cause is Cause.REJECTED else None
+    """How the upstream refused the caller's request (None: it did not). A continuation
+    refused (a machine that will not take a prefilled assistant message) refused our body,
+    not the caller's: the request goes on elsewhere."""
+    if end.cause is not Cause.REJECTED or end.act is ArmAct.CONTINUED:
+        return None
+    return end.request_fault

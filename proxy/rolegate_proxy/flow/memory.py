@@ -16,8 +16,9 @@ Two exceptions, both narrow:
   it. A continuation (the request plus the text delivered, as a partial assistant
   message) is a different body, so a refusal of the plain body blocks it only for context
   length: a continuation is the same prompt and more, and can only be longer. A
-  continuation refused as a request fault marks the machine that refused it, never the
-  model's plain body.
+  continuation refused as a request fault (a machine that will not take a prefilled
+  assistant message) keeps that machine from every later continuation of the request,
+  never from the plain body it did not refuse, nor the model from it.
 
 Routing metadata only: names, causes and our own words; never text of the request.
 """
@@ -51,6 +52,7 @@ class Why(StrEnum):
     REFUSED = "refused this request"
     LOST_RACE = "lost a race earlier in this request"
     MOVED_FROM = "was moved away from earlier in this request"
+    REFUSED_CONTINUATION = "refused to continue a partial answer earlier in this request"
 
 
 _WHY_OF: Final = {
@@ -75,6 +77,9 @@ class RequestMemory:
     # Models that refused the plain body, and how (any provider: SPEC E4, never resent
     # unchanged to the same model).
     bodies: dict[str, RequestFault] = field(default_factory=dict)
+    # Machines that refused a continuation (a prefilled assistant message): never sent
+    # another, but free to take the plain body, which they did not refuse.
+    continuations: set[MachineKey] = field(default_factory=set)
 
     def note(self, end: ArmEnd, *, continuation: bool = False) -> None:
         """One arm's end: its machine remembered unless nothing in it speaks against the
@@ -82,6 +87,9 @@ class RequestMemory:
         if end.cause in _FORGOTTEN or end.machine is None:
             return
         key = MachineKey(end.provider, end.model, end.machine)
+        if continuation and end.cause is Cause.REJECTED:
+            self.continuations.add(key)
+            return
         transient = end.cause in TRANSIENT
         mark = self.machines.get(key)
         if mark is None:
@@ -92,9 +100,15 @@ class RequestMemory:
         if fault is not None and not continuation:
             self.bodies.setdefault(end.model, fault)
 
-    def why(self, key: MachineKey) -> Why | None:
+    def why(self, key: MachineKey, *, continuation: bool = False) -> Why | None:
+        """Why `key` is not chosen again (None: it may be); `continuation`: for a
+        continuation, which a machine that refused one is not sent again either."""
         mark = self.machines.get(key)
-        return None if mark is None else mark.why
+        if mark is not None:
+            return mark.why
+        if continuation and key in self.continuations:
+            return Why.REFUSED_CONTINUATION
+        return None
 
     def retriable(self, key: MachineKey) -> bool:
         """All this request saw of `key` was transient faults: a retry may go back to it."""
@@ -116,7 +130,11 @@ class RequestMemory:
             found.add(key)
         return found
 
-    def all_avoided(self) -> frozenset[MachineKey]:
+    def all_avoided(self, *, continuation: bool = False) -> frozenset[MachineKey]:
+        """Every machine this request does not choose again (`continuation`: for a
+        continuation, with those that refused one)."""
+        if continuation:
+            return frozenset((*self.machines, *self.continuations))
         return frozenset(self.machines)
 
     def without(self, keys: Iterable[MachineKey]) -> list[MachineKey]:

@@ -12,7 +12,7 @@ from rolegate_policy.enums import Delivery
 from rolegate_policy.status import ProtocolQuirk
 
 from ..core.arm_end import ArmEnd
-from ..core.beliefs import MachineKey
+from ..core.beliefs import MachineBelief, MachineKey
 from ..core.choice import Alternative, Plan
 from ..core.decisions import Decision
 from ..core.outcomes import ArmAct
@@ -139,14 +139,18 @@ class StreamArms:
         request's frontier; `delivered`: content deltas earlier arms delivered."""
         now = self.now()
         run = ArmRun(attempt, now, True, Silence.for_arm(attempt, budget, stream=True), act)
-        run.count_on(self.services.upstreams.load)
         key = self.key(run)
+        belief = None if key is None else self.services.recorder.ledger.belief_of(key, now)
+        # The wait expected in its machine's queue, read before the arm joins it.
+        queued = self._queue_wait(attempt, key, belief, now)
+        run.count_on(self.services.upstreams.load)
         run.watch = Watch(
             self.host.chat.role,
             sent_at=run.started,
             started_at=self.host.decision.started_at,
             serving=key,
-            belief=None if key is None else self.services.recorder.ledger.belief_of(key, now),
+            belief=belief,
+            queued=queued,
             frontier=self.frontier(),
             # Buffered, nothing reaches the client before the end: any alternative can take
             # over (afresh), not only one that continues partial messages.
@@ -154,6 +158,21 @@ class StreamArms:
             delivered=delivered,
         )
         return run
+
+    def _queue_wait(
+        self, attempt: Attempt, key: MachineKey | None, belief: MachineBelief | None, now: float
+    ) -> float:
+        """The seconds an arm sent now to `key` is expected to wait in its queue (SPEC B8;
+        0 when its machine or its expected time is unknown)."""
+        load = self.services.upstreams.load
+        if key is None or belief is None or load.in_flight(key, now) == 0:
+            return 0.0
+        service = belief.expected_seconds(self.host.chat.role.expected_output_tokens)
+        if service is None:
+            return 0.0
+        machine = attempt.model.machine(key.machine)
+        published = None if machine is None else machine.max_concurrency
+        return load.wait_seconds(key, service, published, now)
 
     @staticmethod
     def key(run: ArmRun) -> MachineKey | None:
