@@ -16,10 +16,13 @@ through the real proxy and the simulator; one table, each goal met or NOT MET.
    token of the six through rolegate against "the best": the worst first token of the same
    six sent straight to the simulator, three to each machine, in the same run (goal: at
    most 1.5x the best; the median over the rounds).
-3. Honest learning. 1,000 non-streamed answers (the first machine the proxy picks, S1
-   published and writing faster than S2), then 1,000 healthy streams (200 tok/s, 30 tokens
-   with real gaps, +-20 % jitter), 16 at a time: the rate test's acts (`rolegate_acts_total`)
-   and the streams the simulator saw asked twice (goal 0: every act is a false one).
+3. Honest learning. Two machines that really write at 60 tok/s from the first byte,
+   published at that rate with a cautious 0.5 s (H1) and 0.6 s (H2) first token, both able
+   to continue a partial answer. 1,000 short non-streamed answers (3 tokens: a few
+   milliseconds, far faster per token than the sheet's shape), then 1,000 healthy streams
+   (60 tok/s, 30 tokens with real gaps, +-20 % jitter), 16 at a time: the rate test's acts
+   (`rolegate_acts_total`) and the streams the simulator saw asked twice (goal 0: every
+   act is a false one).
 
 Run: `.venv/bin/python bench/routing_quality.py [--quick] [--full] [--pods]`
 (`--quick`: 20 requests after the lead instead of 50, 300 answers and streams instead of
@@ -430,16 +433,25 @@ async def case2(rounds: int) -> tuple[list[Goal], list[str]]:
 # --- 3. the rate test after non-streamed answers -----------------------------------------
 
 
-HEALTHY_TOKENS, HEALTHY_RATE = 30, 200.0
+HEALTHY_TOKENS, HEALTHY_RATE, SHORT_ANSWER_TOKENS = 30, 60.0, 3
 
 
 async def case3(answers: int, streams: int) -> tuple[list[Goal], list[str]]:
+    # The case: both machines really write at 60 tok/s from the first byte; their
+    # sheets publish that rate and a cautious 0.5 s first token. A short non-streamed
+    # answer (three tokens, all of it in a few milliseconds) is then far faster than the
+    # sheet's shape: taught as per-token gaps it made H1 look hundreds of times faster than
+    # its streams, and healthy streams were moved to H2, which can take them over.
     real = [
-        {"name": "H1", "ttftSeconds": 0.05, "tokensPerSecond": HEALTHY_RATE, "jitter": 0.2},
-        {"name": "H2", "ttftSeconds": 0.1, "tokensPerSecond": 150.0, "jitter": 0.2},
-    ]
+        {"name": name, "ttftSeconds": 0.0, "tokensPerSecond": HEALTHY_RATE, "jitter": 0.2,
+         "continuesPartialMessage": True}
+        for name in ("H1", "H2")
+    ]  # fmt: skip
     sim = await simulator(HEALTHY_TOKENS, real)
-    sheet = [published("H1", HEALTHY_RATE, 0.05), published("H2", 150.0, 0.1)]
+    sheet = [
+        {**published(name, HEALTHY_RATE, ttft), "continuesPartialMessage": True}
+        for name, ttft in (("H1", 0.5), ("H2", 0.6))
+    ]
     front = await proxy(compiled(manifests(sim.url, sheet, HEALTHY_TOKENS)))
     gate = asyncio.Semaphore(16)
     try:
@@ -449,7 +461,8 @@ async def case3(answers: int, streams: int) -> tuple[list[Goal], list[str]]:
                 async with (
                     gate,
                     session.post(
-                        f"{front.url}/v1/chat/completions", json=chat(stream_=False)
+                        f"{front.url}/v1/chat/completions",
+                        json=chat(stream_=False, max_tokens=SHORT_ANSWER_TOKENS),
                     ) as response,
                 ):
                     await response.read()

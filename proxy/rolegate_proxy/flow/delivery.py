@@ -312,15 +312,10 @@ class Delivery:
 
     def _race(self, act: Act) -> bool:
         """Start the act's alternative beside the held answer (False: it may not be sent)."""
-        assert act.alternative is not None
-        target = act.alternative.key
-        attempt = self.host.onward(target.provider, target.model, target.machine)
-        if attempt is None:
-            return False
-        self.services.recorder.act(self.host.chat.role.name, act, "raced")
-        self.leg.run.act = ArmAct.RACED
         budget = max(self.host.deadline - self.now(), 0.0)
-        run = self.arms.run(attempt, budget, ArmAct.RACED)
+        run = self.arms.rival(act, self.leg.run, budget)
+        if run is None:
+            return False
         self.race = HeldRace(self.host, self.arms, run, act)
         return True
 

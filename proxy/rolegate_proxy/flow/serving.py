@@ -14,7 +14,6 @@ import asyncio
 from aiohttp import web
 
 from ..core.arm_end import ArmEnd, Cause
-from ..core.outcomes import ArmAct
 from ..core.routing import Attempt
 from ..core.watch import Act
 from .arms import ArmRun, verdict_on
@@ -87,15 +86,9 @@ class StreamServer:
                 return act
 
     def _rival(self, act: Act) -> ArmRun | None:
-        assert act.alternative is not None
-        target = act.alternative.key
-        attempt = self.host.onward(target.provider, target.model, target.machine)
-        if attempt is None:
-            return None
-        self.services.recorder.act(self.host.chat.role.name, act, "raced")
-        self.leg.run.act = ArmAct.RACED
-        rival = self.arms.run(attempt, self.budget, ArmAct.RACED)
-        self.waiting.append(rival)
+        rival = self.arms.rival(act, self.leg.run, self.budget)
+        if rival is not None:
+            self.waiting.append(rival)
         return rival
 
     def _settled(self, task: asyncio.Task[OpenedStream], run: ArmRun) -> bool:

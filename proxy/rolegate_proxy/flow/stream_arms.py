@@ -17,7 +17,7 @@ from ..core.choice import Alternative, Plan
 from ..core.decisions import Decision
 from ..core.outcomes import ArmAct
 from ..core.routing import Attempt
-from ..core.watch import Watch
+from ..core.watch import Act, Watch
 from ..wire.chat_request import ChatRequest
 from .arms import ArmRun, StreamHooks, open_stream
 from .client_stream import ClientStream
@@ -158,6 +158,18 @@ class StreamArms:
             delivered=delivered,
         )
         return run
+
+    def rival(self, act: Act, racing: ArmRun, budget: float) -> ArmRun | None:
+        """The arm a race starts on `act`'s alternative beside `racing` (SPEC B6), the act
+        recorded; None when the request may not send it there (`Host.onward`)."""
+        assert act.alternative is not None
+        target = act.alternative.key
+        attempt = self.host.onward(target.provider, target.model, target.machine)
+        if attempt is None:
+            return None
+        self.services.recorder.act(self.host.chat.role.name, act, "raced")
+        racing.act = ArmAct.RACED
+        return self.run(attempt, budget, ArmAct.RACED)
 
     def _queue_wait(
         self, attempt: Attempt, key: MachineKey | None, belief: MachineBelief | None, now: float
