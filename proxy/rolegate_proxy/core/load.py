@@ -61,7 +61,8 @@ class Ticket:
     owner: Load
     key: MachineKey
     started: float
-    # Requests on the machine when the arm was sent, itself included.
+    # Requests on the machine when the arm was sent (the fleet's as heard), itself
+    # included.
     load: int
     returned: bool = False
 
@@ -94,7 +95,8 @@ class Load:
     """Requests in flight per machine, this pod's and the fleet's, and each machine's
     concurrency. Not thread-safe (the event loop's)."""
 
-    _tickets: dict[MachineKey, list[Ticket]] = field(default_factory=dict)
+    # Each machine's tickets out, by identity, oldest first (removed in O(1) when returned).
+    _tickets: dict[MachineKey, dict[int, Ticket]] = field(default_factory=dict)
     # Tickets out per (provider, model): whether a ranking needs load applied at all.
     _per_model: dict[tuple[str, str], int] = field(default_factory=dict)
     _learned: dict[MachineKey, _Learned] = field(default_factory=dict)
@@ -105,7 +107,7 @@ class Load:
 
     def take(self, key: MachineKey, now: float) -> Ticket:
         """An arm sent to `key`: it counts from now until its ticket is returned."""
-        ticket = Ticket(self, key, now, self.own(key, now) + 1)
+        ticket = Ticket(self, key, now, self.in_flight(key, now) + 1)
         self._add(ticket)
         return ticket
 
@@ -135,11 +137,11 @@ class Load:
         if not tickets:
             return 0
         oldest = now - MAX_TICKET_SECONDS
-        if tickets[0].started < oldest:
-            for stale in [t for t in tickets if t.started < oldest]:
+        if next(iter(tickets.values())).started < oldest:
+            for stale in [t for t in tickets.values() if t.started < oldest]:
                 self._remove(stale)
                 stale.returned = True
-            tickets = self._tickets.get(key, [])
+            return len(self._tickets.get(key, ()))
         return len(tickets)
 
     def in_flight(self, key: MachineKey, now: float) -> int:
@@ -223,15 +225,14 @@ class Load:
     # -- internals ------------------------------------------------------------------------
 
     def _add(self, ticket: Ticket) -> None:
-        self._tickets.setdefault(ticket.key, []).append(ticket)
+        self._tickets.setdefault(ticket.key, {})[id(ticket)] = ticket
         model = (ticket.key.provider, ticket.key.model)
         self._per_model[model] = self._per_model.get(model, 0) + 1
 
     def _remove(self, ticket: Ticket) -> None:
         tickets = self._tickets.get(ticket.key)
-        if tickets is None or ticket not in tickets:
+        if tickets is None or tickets.pop(id(ticket), None) is None:
             return
-        tickets.remove(ticket)
         if not tickets:
             del self._tickets[ticket.key]
         model = (ticket.key.provider, ticket.key.model)

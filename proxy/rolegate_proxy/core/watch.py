@@ -262,9 +262,11 @@ class Watch:
         self._upper, self._lower = settings.upper, settings.lower
         self._floor = max(1.0, math.ceil(self.expected_tokens * settings.tail_share))
         self.sent_at = sent_at
-        # When its machine is expected to start on it: after the wait in its queue (SPEC
-        # B8), which no first token could beat, so lateness is judged from here.
-        self.starts_at = sent_at + max(queued, 0.0)
+        # When its machine is expected to start on it at the latest: after the wait in its
+        # queue (SPEC B8), which no first token could beat, so lateness is judged from
+        # here. The wait is whole answers of the machines ahead, as uncertain as the
+        # belief of one, so it is allowed the rate test's tolerance.
+        self.starts_at = sent_at + settings.tolerance * max(queued, 0.0)
         self.started_at = sent_at if started_at is None else started_at
         self.serving = serving
         self.belief = belief

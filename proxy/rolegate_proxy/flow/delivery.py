@@ -340,10 +340,12 @@ class Delivery:
     async def _replaced(self, client: ClientStream, stop: Stop) -> Relay | None:
         """The held stream broke (or was judged broken) during a race: the alternative, once
         open, replaces it unseen; None when there is no race or it failed too."""
-        race, self.race = self.race, None
+        race = self.race
         if race is None:
             return None
+        # Kept until it settles: a client leaving meanwhile drops it (`_drop_race`).
         opened = await race.replacement()
+        self.race = None
         if opened is None:
             return None
         self._take_over(client, race, opened, self._broken(client, stop), failed=True)

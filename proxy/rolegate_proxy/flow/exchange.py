@@ -19,6 +19,7 @@ Streamed arms are served by `serving.StreamServer`.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, TypeVar
@@ -45,6 +46,7 @@ from .serving import StreamServer
 from .upstream import ArmFailed, Silence, StaleConnection
 
 T = TypeVar("T")
+log = logging.getLogger("rolegate.proxy")
 
 # Waiting out a Retry-After, this much longer than it says.
 RETRY_AFTER_MARGIN: Final = 0.02
@@ -70,6 +72,8 @@ class Exchange:
     attempts: int = 0
     per_model: dict[tuple[str, str], int] = field(default_factory=dict)
     client: ClientStream | None = None
+    # Every arm made for the request (each counted on its machine: `counted`).
+    runs: list[ArmRun] = field(default_factory=list)
     # How many failures there were at the last backoff: one pause per failure, however
     # the retry loops meet (a candidate's last try, then the next candidate).
     paused_after: int = 0
@@ -114,6 +118,7 @@ class Exchange:
             # client gone) is given back, so the next request can probe.
             for admission in self.gate.probes:
                 self.services.breakers.release(admission)
+            self._give_back_places()
 
     async def _serve(self) -> web.StreamResponse:
         now = self.services.now()
@@ -313,8 +318,7 @@ class Exchange:
 
     async def _complete(self, attempt: Attempt, budget: float) -> web.StreamResponse | None:
         silence = Silence.for_arm(attempt, budget, stream=False)
-        run = ArmRun(attempt, self.services.now(), False, silence)
-        run.count_on(self.services.upstreams.load)
+        run = self.counted(ArmRun(attempt, self.services.now(), False, silence))
         upstreams = self.services.upstreams
         try:
             reply = await self.send_fresh_once(
@@ -360,6 +364,26 @@ class Exchange:
             return await send(True)
 
     # -- bookkeeping ------------------------------------------------------------------
+
+    def counted(self, run: ArmRun) -> ArmRun:
+        """`run` counts as in flight on its machine from now (SPEC B8) until its end; the
+        request keeps it, so that however the request ends, nothing stays counted."""
+        self.runs.append(run.count_on(self.services.upstreams.load))
+        return run
+
+    def _give_back_places(self) -> None:
+        """Every arm of the request has ended by now, each giving back its place in its
+        machine's queue. One that did not (an end never made: a bug, named in the log)
+        gives it back here, rather than make its machine look busy for half an hour."""
+        for run in self.runs:
+            ticket = run.ticket
+            if ticket is not None and not ticket.returned:
+                ticket.owner.give_back(ticket, None)
+                log.warning(
+                    "an arm of request %s on %s ended without its end recorded: its place "
+                    "in the machine's queue is given back",
+                    self.decision.request_id, run.machine or "an unnamed machine",
+                )  # fmt: skip
 
     def record(self, end: ArmEnd, *, continuation: bool = False) -> None:
         """An arm's end, recorded and remembered (`continuation`: it was sent the request

@@ -87,10 +87,10 @@ class HeldRace:
     def drop(self) -> None:
         """The request ends (the client left, we shut down): the alternative with it."""
         task = self.task
-        if task.done():
-            opened = None if task.cancelled() else self._settled()
+        if task.done() and not task.cancelled():
+            opened = self._settled()
             if opened is None:
-                return
+                return  # it failed: its end is recorded
             opened.close()
         else:
             task.cancel()

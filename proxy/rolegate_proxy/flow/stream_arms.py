@@ -52,6 +52,8 @@ class Host(Protocol):
 
     def client_stream(self) -> ClientStream: ...
 
+    def counted(self, run: ArmRun) -> ArmRun: ...
+
     def onward(
         self,
         provider: str,
@@ -143,7 +145,7 @@ class StreamArms:
         belief = None if key is None else self.services.recorder.ledger.belief_of(key, now)
         # The wait expected in its machine's queue, read before the arm joins it.
         queued = self._queue_wait(attempt, key, belief, now)
-        run.count_on(self.services.upstreams.load)
+        self.host.counted(run)
         run.watch = Watch(
             self.host.chat.role,
             sent_at=run.started,
