@@ -3,8 +3,8 @@ simulator and three proxy processes as three pods (distinct `POD_NAME`), each pu
 its ProxyMemory every second (`--memory-publish-seconds 1`).
 
 On paper the simulator's m1 answers first in 0.05 s and m2 in 0.1 s; in fact m1 takes a
-second. Pod A alone is sent the traffic that teaches it so (m1's slow first tokens are
-raced by m2 until m2 is asked first); pods B and C, which served nothing, must come to
+second. Pod A alone is sent the traffic that teaches it so (requests only m1 may answer,
+until m2 is asked first); pods B and C, which served nothing, must come to
 believe it too and send their very first request to m2. A restarted pod takes its own
 memory back before its first request; an API-server outage only delays the writes; an
 object that is not a memory is ignored with a warning, and one older than a day deleted.
@@ -134,13 +134,27 @@ async def metrics_of(url: str) -> str:
         return (await client.get(f"{url}/metrics")).text
 
 
-async def teach(url: str) -> list[str]:
-    """Send requests to one pod until it has learned m1 is slow: m2 is asked first."""
-    asked = [await _first_asked(url)]
-    while asked[-1] == "m1":
-        asked.append(await _first_asked(url))
-        assert len(asked) < 12, asked
-    return asked
+async def teach(url: str, lessons: int = 3) -> None:
+    """Teach one pod m1's real first token (a second): `lessons` streamed requests only m1
+    may answer (the caller's `provider.only`), each waited out whole. (Raced by m2, a
+    single late first token already makes m2 lead, and says only that m1 was late, not by
+    how much.) Then m2 is asked first."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        for _ in range(lessons):
+            response = await client.post(
+                f"{url}/v1/chat/completions",
+                json={"model": "agent", "messages": [{"role": "user", "content": "step"}],
+                      "stream": True, "provider": {"only": ["m1"]}},
+            )  # fmt: skip
+            assert response.status_code == 200, response.text
+    assert await _first_asked(url) == "m2"
+
+
+async def close_to(url: str, learned: float) -> float | None:
+    """The pod's belief of m1's time to the first token, once within a quarter of what the
+    teacher learned."""
+    believed = await _expected_ttft(url, "m1")
+    return believed if abs(believed - learned) <= 0.25 * learned else None
 
 
 async def moved_toward(url: str, published: float, learned: float) -> float | None:
@@ -158,21 +172,21 @@ async def test_what_one_pod_learns_the_others_believe_and_route_by(
         a, b, c = (fleet.proxies[pod] for pod in PODS)
         published = await _expected_ttft(b, "m1")
         assert published < 0.1
-        assert (await teach(a))[0] == "m1"
+        await teach(a)
         learned = await _expected_ttft(a, "m1")
         assert learned > 5 * published, learned
         taught = time.monotonic()
         # B and C served nothing: what they believe of m1 now is what they heard.
         for pod, url in (("proxy-b", b), ("proxy-c", c)):
+            # A memory written between two lessons is heard first: wait for the last.
             believed = await eventually(
-                partial(moved_toward, url, published, learned),
-                what=f"{pod}'s belief of m1 moving toward proxy-a's",
+                partial(close_to, url, learned),
+                what=f"{pod}'s belief of m1 within a quarter of proxy-a's",
                 within=15,
             )
             print(f"\n{pod} believes m1's first token in {believed:.2f} s (proxy-a: "
                   f"{learned:.2f} s, published {published:.2f} s), "
                   f"{time.monotonic() - taught:.1f} s after proxy-a learned it")  # fmt: skip
-            assert believed == pytest.approx(learned, rel=0.25)
         # And each sends its first request away from m1.
         assert await _first_asked(b) == "m2"
         assert await _first_asked(c) == "m2"
