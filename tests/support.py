@@ -66,6 +66,14 @@ def machine_policy(
 ) -> dict[str, Any]:
     """An aggregator ProviderPolicy serving one model, with machines written out in full
     (published figures, continuesPartialMessage)."""
+    return models_policy(name, url, {model: machines})
+
+
+def models_policy(
+    name: str, url: str, models: dict[str, list[dict[str, Any]]], **spec: Any
+) -> dict[str, Any]:
+    """An aggregator ProviderPolicy serving each model on its machines written out in full,
+    with any other `spec` fields (a breaker, timeouts)."""
     return {
         "apiVersion": "rolegate.dev/v1alpha1",
         "kind": "ProviderPolicy",
@@ -73,7 +81,8 @@ def machine_policy(
         "spec": {
             "endpoint": f"{url}/v1",
             "dialect": "Aggregator",
-            "models": [{"name": model, "machines": machines}],
+            "models": [{"name": m, "machines": machines} for m, machines in models.items()],
+            **spec,
         },
     }
 

@@ -26,7 +26,7 @@ from rolegate_sim.scenario import parse_scenario
 from rolegate_sim.server import RunningSim
 from rolegate_sim.server import start as start_sim
 
-from ..support import compile_objects, sim_records
+from ..support import compile_objects, models_policy, sim_records
 from ..waiting import eventually
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -102,20 +102,6 @@ SCENARIO = {
 }  # fmt: skip
 
 
-def _policy(name: str, url: str, models: dict[str, list[dict[str, Any]]], **spec: Any) -> Any:
-    return {
-        "apiVersion": "rolegate.dev/v1alpha1",
-        "kind": "ProviderPolicy",
-        "metadata": {"name": name, "namespace": "test"},
-        "spec": {
-            "endpoint": f"{url}/v1",
-            "dialect": "Aggregator",
-            "models": [{"name": m, "machines": machines} for m, machines in models.items()],
-            **spec,
-        },
-    }
-
-
 def _role(name: str, models: list[str], visibility: str) -> dict[str, Any]:
     return {"name": name, "models": models, "patienceSeconds": 30, "visibility": visibility,
             "ruling": "Order", "expectedOutputTokens": WORDS}  # fmt: skip
@@ -124,7 +110,7 @@ def _role(name: str, models: list[str], visibility: str) -> dict[str, Any]:
 def _objects(url: str) -> list[Any]:
     continues = {"continuesPartialMessage": True}
     return [
-        _policy("agg", url, {
+        models_policy("agg", url, {
             # `first` leads; `rival` is its race's rival; `third` is believed slower.
             RACED: [{"name": "first", **QUICK, **continues},
                     {"name": "rival", "ttftSeconds": 0.05, "tokensPerSecond": 250, **continues},
@@ -138,9 +124,9 @@ def _objects(url: str) -> list[Any]:
             LATE: [{"name": "late", **QUICK}],
         }),
         # A short idle limit: a pause of ours longer than it would read as a stall.
-        _policy("idle", url, {PAUSED: [{"name": "slow", **QUICK}]},
+        models_policy("idle", url, {PAUSED: [{"name": "slow", **QUICK}]},
                 timeouts={"idleSeconds": 1.0}),
-        _policy("spare", url, {PAUSED: [{"name": "hangs", **QUICK, **continues}]}),
+        models_policy("spare", url, {PAUSED: [{"name": "hangs", **QUICK, **continues}]}),
         {
             "apiVersion": "rolegate.dev/v1alpha1",
             "kind": "RoleTable",
