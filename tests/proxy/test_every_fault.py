@@ -31,6 +31,11 @@ from ..fault_cases import (
 )
 from ..support import ProxyFactory, SimFactory, machine_policy, role, role_table, sim_records
 
+# The suite may run on a loaded machine (CI runs it under CPU load): a row's time is judged
+# at twice its limit here, still far below what a wrong path costs (the silent primary's
+# 15.9 s against 3 s); bench/faults.py judges the limits themselves.
+LOADED_MACHINE_SLACK = 2.0
+
 
 def test_every_case_has_its_expectation() -> None:
     assert all(case.expect is not None for case in CASES)
@@ -43,7 +48,7 @@ async def test_every_fault_through_one_long_lived_proxy() -> None:
     and then the Unwatched one, on one proxy that keeps what each taught it (a breaker a
     case tripped twice, beliefs, scores); every judgement of every row, and every health
     check between the rows, answered whole."""
-    rows = await run_sequence(DEFAULTS, VISIBILITIES)
+    rows = await run_sequence(DEFAULTS, VISIBILITIES, time_slack=LOADED_MACHINE_SLACK)
     wrong = [f"{row.case.name}: {row.verdict} ({', '.join(row.outcome.attempts)})"
              for row in rows if row.failed]  # fmt: skip
     assert not wrong, wrong
